@@ -1,0 +1,59 @@
+# rlcourse: two commands do everything.
+#   make lab   - set up the environment and open the course in JupyterLab
+#   make test  - set up the environment and run every test (unit tests + all notebooks)
+#
+# Knobs (override on the command line, e.g. `make lab TORCH="torch --index-url https://download.pytorch.org/whl/cu124"`):
+PYTHON   ?= python3
+VENV     ?= .venv
+TORCH    ?= torch==2.13.0
+LAB_ARGS ?=
+PROFILE  ?= laptop
+# The test suite runs the notebooks under the smaller `ci` profile; each still asserts its promise.
+TEST_PROFILE ?= ci
+
+# torch ran 10-15x slower on a loaded 2-core machine without a passive OpenMP wait policy.
+export OMP_WAIT_POLICY := PASSIVE
+# Nothing in the course downloads anything.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PYDEVD_DISABLE_FILE_VALIDATION := 1
+export RLCOURSE_PROFILE ?= $(PROFILE)
+
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.rlcourse-installed
+# JupyterLab refuses to start as root unless told it may.
+ROOT_FLAG := $(shell [ "$$(id -u)" = "0" ] && echo --allow-root)
+
+.PHONY: lab test env notebooks exercises bench clean
+
+env: $(STAMP)
+
+# torch goes in first, from $(TORCH): installing the package first would let pip pick a default
+# torch build (several GB of CUDA libraries on Linux).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (rlcourse)" >/dev/null
+	touch $@
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab $(ROOT_FLAG) --ServerApp.root_dir="$(CURDIR)" $(LAB_ARGS) course/00_start_here.ipynb
+
+test: $(STAMP)
+	RLCOURSE_PROFILE=$(TEST_PROFILE) $(BIN)/python -m pytest --nbval-lax tests course solutions $(PYTEST_ARGS)
+
+# Re-execute the committed lesson and solution notebooks (with outputs) and regenerate exercises/.
+notebooks: $(STAMP)
+	$(BIN)/python -m rlcourse.tools.execute course/*.ipynb solutions/*.ipynb
+	$(BIN)/python -m rlcourse.tools.make_exercises
+
+exercises: $(STAMP)
+	$(BIN)/python -m rlcourse.tools.make_exercises
+
+bench: $(STAMP)
+	$(BIN)/python -m rlcourse.bench
+
+clean:
+	rm -rf $(VENV)

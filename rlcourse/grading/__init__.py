@@ -1,0 +1,7 @@
+"""The ``check_*`` functions that exercise notebooks call.
+
+Each lesson's checks live in their own module (``lesson01.py``, ...) and are re-exported here, so
+a notebook only needs ``from rlcourse.grading import check_discounted_return``.
+"""
+from rlcourse.grading._core import CheckFailed
+from rlcourse.grading.lesson01 import *  # noqa: F401,F403

@@ -1,0 +1,1 @@
+"""Course tooling: exercise generation, notebook execution and grading."""
