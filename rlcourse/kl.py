@@ -1,0 +1,130 @@
+"""KL divergence between a policy and a reference, exactly and from samples.
+
+RL for language models keeps the trained policy ``pi_theta`` close to a reference ``pi_ref``
+(usually the SFT model) by penalising
+
+    KL(pi_theta || pi_ref) = E_{x ~ pi_theta} [ log pi_theta(x) - log pi_ref(x) ].
+
+Over one next-token distribution the sum over the vocabulary is cheap (:func:`exact_kl`). Over
+whole completions it is not: the number of sequences grows as ``V^T``. Trainers therefore
+estimate it from the tokens they sampled, with one number per token. With
+
+    r = pi_ref(x) / pi_theta(x),    x ~ pi_theta,
+
+John Schulman's three estimators ("Approximating KL divergence", 2020) are
+
+    k1 = -log r                 unbiased, high variance, negative for about half the samples
+    k2 = 1/2 (log r)^2          biased, low variance, always >= 0
+    k3 = (r - 1) - log r        unbiased, lower variance than k1 when pi_ref is close, always >= 0
+
+Every function takes log-probabilities, never probabilities: ``logp = log pi_theta(x)`` and
+``logq = log pi_ref(x)`` for the sampled tokens (any shape, the same for both), or full
+log-distributions over the last dimension for :func:`exact_kl` and :func:`entropy`.
+Each returns a tensor of the same shape (per token); averaging or summing over a completion
+mask is the trainer's choice, not the estimator's.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["kl_k1", "kl_k2", "kl_k3", "exact_kl", "entropy", "KL_ESTIMATORS"]
+
+
+def _pair(logp, logq) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both arguments as floating tensors of one shape (broadcasting would hide a bug)."""
+    logp, logq = torch.as_tensor(logp), torch.as_tensor(logq)
+    if logp.shape != logq.shape:
+        raise ValueError(f"logp and logq must have the same shape (one log-prob per sampled token), "
+                         f"got logp {tuple(logp.shape)} and logq {tuple(logq.shape)}")
+    if not (logp.is_floating_point() and logq.is_floating_point()):
+        raise TypeError(f"logp and logq must be floating-point log-probabilities, "
+                        f"got dtypes {logp.dtype} and {logq.dtype}")
+    return logp, logq
+
+
+def kl_k1(logp, logq) -> torch.Tensor:
+    """``k1 = -log r = log pi_theta(x) - log pi_ref(x)``, with ``x ~ pi_theta``.
+
+    Unbiased: ``E_{x~pi_theta}[k1] = KL(pi_theta || pi_ref)`` by the definition of KL.
+    Variance: ``Var[log r]``, which does not shrink relative to the KL as the two policies get
+    close; about half the samples are negative even though the KL never is. This is the
+    log-ratio that PPO-RLHF subtracts from the reward at each token.
+    """
+    logp, logq = _pair(logp, logq)
+    return logp - logq
+
+
+def kl_k2(logp, logq) -> torch.Tensor:
+    """``k2 = 1/2 (log r)^2``, with ``r = pi_ref(x) / pi_theta(x)`` and ``x ~ pi_theta``.
+
+    Biased: ``E[k2] = 1/2 E[(log r)^2]``, which agrees with the KL only to second order in
+    ``log r`` (both are ``1/2 E[(log r)^2] + O(E|log r|^3)``), so the bias grows as the policies
+    drift apart. Low variance, and never negative.
+    """
+    logp, logq = _pair(logp, logq)
+    return 0.5 * (logq - logp) ** 2
+
+
+def kl_k3(logp, logq) -> torch.Tensor:
+    """``k3 = (r - 1) - log r``, with ``r = pi_ref(x) / pi_theta(x)`` and ``x ~ pi_theta``.
+
+    Unbiased: ``E_{x~pi_theta}[r] = sum_x pi_ref(x) = 1``, so the added ``r - 1`` is a control
+    variate with mean zero and ``E[k3] = E[-log r] = KL``. (That needs ``pi_ref`` to put no mass
+    where ``pi_theta`` puts none; softmax policies always satisfy it. Otherwise ``E[k3]`` falls
+    short of the KL by the missing mass.)
+    Never negative, since ``log r <= r - 1``. Its variance is far below k1's when the policies are
+    close (``r - 1 ~ log r`` cancels the first-order noise) but grows fast when ``r`` can be large.
+    GRPO puts this estimator in its loss.
+
+    ``expm1`` computes ``r - 1`` without cancellation when ``r`` is close to 1.
+    """
+    logp, logq = _pair(logp, logq)
+    log_r = logq - logp
+    return torch.expm1(log_r) - log_r
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def _log_distribution(name: str, logp_full, dim: int) -> torch.Tensor:
+    logp_full = torch.as_tensor(logp_full)
+    if not logp_full.is_floating_point():
+        raise TypeError(f"{name} must be floating-point log-probabilities, got dtype {logp_full.dtype}")
+    if logp_full.ndim == 0:
+        raise ValueError(f"{name} must have a vocabulary dimension, got a scalar")
+    total = logp_full.exp().sum(dim)
+    tol = 1e-2 if logp_full.dtype in (torch.float16, torch.bfloat16) else 1e-3
+    if total.numel() and not torch.allclose(total, torch.ones_like(total), atol=tol):
+        raise ValueError(f"{name} must hold log-probabilities whose exp sums to 1 along dim={dim}; "
+                         f"got sums between {total.min().item():.4g} and {total.max().item():.4g}. "
+                         f"Were these logits? Apply torch.log_softmax(logits, dim={dim}) first.")
+    return logp_full
+
+
+def exact_kl(logp_full, logq_full, dim: int = -1) -> torch.Tensor:
+    """``KL(p || q) = sum_v p(v) (log p(v) - log q(v))`` over the vocabulary dimension ``dim``.
+
+    ``logp_full`` and ``logq_full`` are full log-distributions (e.g. ``log_softmax`` of the
+    logits at each position), of one shape ``(..., V)``; the result has that shape without
+    ``dim``. Terms with ``p(v) = 0`` count 0 (the limit of ``p log p``); a ``q(v) = 0`` where
+    ``p(v) > 0`` gives ``+inf``, as it should.
+    """
+    logp_full = _log_distribution("logp_full", logp_full, dim)
+    logq_full = _log_distribution("logq_full", logq_full, dim)
+    if logp_full.shape != logq_full.shape:
+        raise ValueError(f"logp_full and logq_full must have the same shape, "
+                         f"got {tuple(logp_full.shape)} and {tuple(logq_full.shape)}")
+    p = logp_full.exp()
+    terms = torch.where(p > 0, p * (logp_full - logq_full), torch.zeros_like(p))
+    return terms.sum(dim)
+
+
+def entropy(logp_full, dim: int = -1) -> torch.Tensor:
+    """``H(p) = -sum_v p(v) log p(v)`` over the vocabulary dimension ``dim`` (in nats).
+
+    Zero for a deterministic policy, ``log V`` for the uniform one. For a policy it measures how
+    much exploration is left: RL on a verifiable reward tends to drive it down.
+    """
+    logp_full = _log_distribution("logp_full", logp_full, dim)
+    p = logp_full.exp()
+    return -torch.where(p > 0, p * logp_full, torch.zeros_like(p)).sum(dim)
