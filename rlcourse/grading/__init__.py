@@ -5,3 +5,4 @@ a notebook only needs ``from rlcourse.grading import check_discounted_return``.
 """
 from rlcourse.grading._core import CheckFailed
 from rlcourse.grading.lesson01 import *  # noqa: F401,F403
+from rlcourse.grading.lesson07 import *  # noqa: F401,F403

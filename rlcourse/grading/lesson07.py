@@ -1,0 +1,229 @@
+"""Checks for lesson 07 (an LLM as a policy): token log-probs, sequence log-probs, entropy, k3.
+
+Each check compares the learner's function with the reference in :mod:`rlcourse.lm.logprobs` or
+:mod:`rlcourse.kl` on inputs built to expose one plausible mistake each: a log-softmax summed over
+the vocabulary instead of gathered, logits shifted by one against their targets, padding after
+EOS counted, the temperature forgotten, the KL ratio inverted.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import torch
+
+from rlcourse import kl
+from rlcourse.grading._core import assert_close, fail, passed, to_numpy
+
+__all__ = ["check_gather_token_logprobs", "check_sequence_logprob", "check_token_entropy",
+           "check_kl_k3"]
+
+_GATHER_HINT = ("log pi(token) = log_softmax(logits / temperature, dim=-1) gathered at the token "
+                "taken (torch.gather or .gather(-1, tokens.unsqueeze(-1))), then multiplied by the "
+                "mask; not a sum over the vocabulary")
+
+
+def token_logprobs_from_logits(logits, tokens, temperature=1.0):
+    # Imported on first use: `import rlcourse.grading` should not load transformers for lesson 01.
+    from rlcourse.lm.logprobs import token_logprobs_from_logits as reference
+
+    return reference(logits, tokens, temperature)
+
+
+def _random_mask(gen: torch.Generator, batch: int, length: int) -> torch.Tensor:
+    """Completion masks: 1 up to and including each row's EOS, 0 after (one row always full)."""
+    lengths = torch.randint(1, length + 1, (batch,), generator=gen)
+    lengths[0] = length
+    return (torch.arange(length) < lengths[:, None]).long()
+
+
+def _grad_free(x):
+    return x.detach() if hasattr(x, "detach") else x
+
+
+def check_gather_token_logprobs(fn) -> None:
+    """``fn(logits, tokens, mask, temperature) -> (B, T)``: masked log-probs of the tokens taken.
+
+    ``logits[:, t]`` (shape (B, T, V)) predicts ``tokens[:, t]``; the result is
+    ``log softmax(logits / temperature)[token]`` where ``mask`` is 1 and 0 where it is 0.
+    """
+    name = "check_gather_token_logprobs"
+    gen = torch.Generator().manual_seed(70)
+    cases = []
+    for i, (B, T, V, temp) in enumerate([(1, 1, 5, 1.0), (2, 4, 7, 1.0), (3, 6, 11, 0.7),
+                                         (4, 5, 13, 2.0)]):
+        logits = 2 * torch.randn(B, T, V, generator=gen)
+        tokens = torch.randint(0, V, (B, T), generator=gen)
+        mask = torch.ones(B, T, dtype=torch.long) if i < 2 else _random_mask(gen, B, T)
+        what = "no padding" if i < 2 else "padding after EOS (mask 0)"
+        cases.append((f"random logits #{i} (B={B}, T={T}, V={V}, temperature={temp}, {what})",
+                      logits, tokens, mask, temp))
+    # Very confident logits: log(softmax(x)) underflows to -inf where log_softmax stays finite.
+    logits = 60 * torch.randn(2, 4, 9, generator=gen)
+    tokens = logits.argmin(-1)
+    cases.append(("very confident logits with unlikely tokens taken (log of softmax underflows)",
+                  logits, tokens, torch.ones(2, 4, dtype=torch.long), 1.0))
+    for case, logits, tokens, mask, temp in cases:
+        before = (logits.clone(), tokens.clone(), mask.clone())
+        got = fn(logits, tokens, mask, temp)
+        if not (torch.equal(before[0], logits) and torch.equal(before[1], tokens)
+                and torch.equal(before[2], mask)):
+            fail(name, case, "inputs left unchanged", "an input tensor was modified in place",
+                 "build new tensors instead of writing into logits, tokens or mask")
+        expected = token_logprobs_from_logits(logits, tokens, temp) * mask
+        hint = _GATHER_HINT
+        got_np = to_numpy(_grad_free(got)) if got is not None else None
+        if got_np is not None and got_np.shape == tuple(mask.shape):
+            if temp != 1.0 and np.allclose(got_np, to_numpy(token_logprobs_from_logits(logits, tokens) * mask),
+                                           atol=1e-5):
+                hint = "the policy sampled at this temperature is softmax(logits / temperature)"
+            elif (mask == 0).any() and np.allclose(got_np, to_numpy(token_logprobs_from_logits(logits, tokens, temp)),
+                                                   atol=1e-5):
+                hint = "positions where mask is 0 (after EOS) must be 0, not counted"
+            elif not np.isfinite(got_np).all():
+                hint = ("log(softmax(x)) underflows to -inf for unlikely tokens; "
+                        "torch.log_softmax computes it stably")
+        assert_close(name, case, expected, _grad_free(got), hint=hint, atol=1e-5, rtol=1e-5)
+    passed(name, len(cases))
+
+
+def _sequence_cases(seed: int = 71):
+    """A small random GPT-2 (large init, so its next-token distributions are far from uniform)
+    and left-padded batches of prompts with completions that stop at EOS."""
+    from rlcourse.lm.model import make_model
+    from rlcourse.lm.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer("0123456789+=:")
+    model = make_model("tiny", tokenizer, seed=seed, initializer_range=0.3)
+    gen = torch.Generator().manual_seed(seed)
+    chars = "0123456789+="
+    cases = []
+    for i, (n_prompts, T, temp, same_length) in enumerate([(1, 3, 1.0, True), (3, 5, 1.0, True),
+                                                          (4, 6, 1.0, False), (4, 6, 0.7, False)]):
+        lengths = [5] * n_prompts if same_length else torch.randint(2, 9, (n_prompts,), generator=gen).tolist()
+        if not same_length:
+            lengths[0], lengths[1] = 2, 8            # make sure the prompts differ in length
+        prompts = ["".join(chars[j] for j in torch.randint(0, len(chars), (n,), generator=gen)) for n in lengths]
+        batch = tokenizer(prompts, return_tensors="pt", padding=True)
+        completion_mask = _random_mask(gen, n_prompts, T)
+        completion_ids = torch.randint(4, len(tokenizer), (n_prompts, T), generator=gen)
+        ends = completion_mask.sum(1) - 1
+        completion_ids[torch.arange(n_prompts), ends] = tokenizer.eos_token_id
+        completion_ids[completion_mask == 0] = tokenizer.pad_token_id
+        what = ("prompts of one length, no padding" if same_length and i == 0 else
+                "prompts of one length, completions padded after EOS" if same_length else
+                f"left-padded prompts of lengths {lengths}, completions padded after EOS")
+        cases.append((f"batch #{i}: {what}, temperature={temp}", batch["input_ids"], batch["attention_mask"],
+                      completion_ids, completion_mask, temp))
+    return model, cases
+
+
+def check_sequence_logprob(fn) -> None:
+    """``fn(model, prompt_ids, completion_ids, completion_mask, prompt_mask, temperature) -> (B,)``:
+    ``log pi(y | x) = sum_t mask_t log pi(y_t | x, y_<t)``, differentiable."""
+    name = "check_sequence_logprob"
+    model, cases = _sequence_cases()
+    for case, prompt_ids, prompt_mask, completion_ids, completion_mask, temp in cases:
+        got = fn(model, prompt_ids, completion_ids, completion_mask, prompt_mask, temp)
+        from rlcourse.lm.logprobs import sequence_logprobs
+
+        with torch.no_grad():
+            per_token = sequence_logprobs(model, prompt_ids, completion_ids, completion_mask,
+                                          prompt_mask=prompt_mask, temperature=temp)
+        expected = per_token.sum(-1)
+        hint = ("feed [prompt | completion] with an attention mask and position_ids = "
+                "(mask.cumsum(-1) - 1).clamp(min=0); the logit at column P-1+t predicts "
+                "completion token t; gather, mask and sum over t")
+        got_np = to_numpy(_grad_free(got)) if got is not None else None
+        if got_np is not None and got_np.shape == tuple(expected.shape):
+            hint = _diagnose_sequence(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                      temp, got_np) or hint
+        assert_close(name, case, expected, _grad_free(got), hint=hint, atol=1e-4, rtol=1e-4)
+        if not getattr(got, "requires_grad", False):
+            fail(name, case, "a tensor that requires grad (the policy gradient flows through it)",
+                 f"{type(got).__name__} without a gradient",
+                 "do not wrap the forward pass in torch.no_grad() or call .detach()/.item(): "
+                 "the trainer differentiates this log-prob")
+    passed(name, len(cases))
+
+
+def _diagnose_sequence(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temp, got):
+    """Name the mistake when the answer equals a known wrong computation."""
+    with torch.no_grad():
+        ids = torch.cat([prompt_ids, completion_ids], 1)
+        attn = torch.cat([prompt_mask, completion_mask], 1)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        P = prompt_ids.shape[1]
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+        aligned = logits[:, P - 1:-1]
+        m = completion_mask.float()
+        wrong = {
+            "the logits are shifted by one: the logit at column P-1+t predicts completion token t, "
+            "so take logits[:, P-1:-1], not logits[:, P:]":
+                (token_logprobs_from_logits(logits[:, P:], completion_ids, temp) * m).sum(-1),
+            "tokens after EOS (completion_mask 0) were counted":
+                token_logprobs_from_logits(aligned, completion_ids, temp).sum(-1),
+            "the temperature is missing: the policy that sampled is softmax(logits / temperature)":
+                (token_logprobs_from_logits(aligned, completion_ids) * m).sum(-1),
+            "under left padding GPT-2 needs position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0), "
+            "or every real token sits at the wrong position":
+                (token_logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits[:, P - 1:-1],
+                                            completion_ids, temp) * m).sum(-1),
+            "log_softmax over the vocabulary was summed instead of gathering the sampled token":
+                ((torch.log_softmax(aligned / temp, -1).sum(-1)) * m).sum(-1),
+        }
+    for message, value in wrong.items():
+        if np.allclose(got, to_numpy(value), atol=1e-4, rtol=1e-4):
+            return message
+    return None
+
+
+def check_token_entropy(fn) -> None:
+    """``fn(logits, temperature) -> (B, T)``: entropy of ``softmax(logits / temperature)`` per position."""
+    name = "check_token_entropy"
+    gen = torch.Generator().manual_seed(72)
+    V = 9
+    cases = [("uniform logits (entropy log V)", torch.zeros(1, 2, V), 1.0),
+             ("one dominant token", torch.tensor([[[50.0] + [0.0] * (V - 1)]]), 1.0),
+             ("random logits", 2 * torch.randn(3, 4, V, generator=gen), 1.0),
+             ("random logits at temperature 0.5", 2 * torch.randn(2, 3, V, generator=gen), 0.5),
+             ("random logits at temperature 3", 2 * torch.randn(2, 3, V, generator=gen), 3.0),
+             ("very confident logits (softmax underflows to exactly 0)", 200 * torch.randn(2, 3, V, generator=gen), 1.0)]
+    for case, logits, temp in cases:
+        got = fn(logits.clone(), temp)
+        expected = kl.entropy(torch.log_softmax(logits.double() / temp, -1))
+        hint = "H = -sum_v p(v) log p(v) with p = softmax(logits / temperature); use log_softmax for log p"
+        got_np = to_numpy(_grad_free(got)) if got is not None else None
+        if got_np is not None and got_np.shape == tuple(expected.shape):
+            if not np.isfinite(got_np).all():
+                hint = ("0 * log(0) gives nan: compute log p with torch.log_softmax (finite), "
+                        "so p * log p is 0 where p underflows")
+            elif (got_np < -1e-6).any():
+                hint = "entropy is never negative: H = -sum p log p (mind the minus sign)"
+        assert_close(name, case, expected, _grad_free(got), hint=hint, atol=1e-5, rtol=1e-5)
+    passed(name, len(cases))
+
+
+def check_kl_k3(fn) -> None:
+    """``fn(logp, logq) -> tensor``: ``k3 = (r - 1) - log r`` with ``r = exp(logq - logp)``."""
+    name = "check_kl_k3"
+    gen = torch.Generator().manual_seed(73)
+    cases = [("identical policies (k3 = 0)", torch.tensor([-0.5, -2.0]), torch.tensor([-0.5, -2.0])),
+             ("reference more likely than the policy (r > 1)", torch.tensor([-2.0]), torch.tensor([-0.5])),
+             ("reference less likely than the policy (r < 1)", torch.tensor([-0.5]), torch.tensor([-2.0]))]
+    for i in range(3):
+        logp = -3 * torch.rand(2, 5, generator=gen, dtype=torch.float64)
+        cases.append((f"random log-probs #{i} (shape (2, 5))", logp,
+                      logp + 0.8 * torch.randn(2, 5, generator=gen, dtype=torch.float64)))
+    for case, logp, logq in cases:
+        got = fn(logp.clone(), logq.clone())
+        expected = kl.kl_k3(logp, logq)
+        hint = "k3 = (r - 1) - log r with r = pi_ref / pi_theta = exp(logq - logp); it is never negative"
+        got_np = to_numpy(_grad_free(got)) if got is not None else None
+        if got_np is not None and got_np.shape == tuple(expected.shape):
+            if np.allclose(got_np, to_numpy(kl.kl_k3(logq, logp)), atol=1e-7) and not torch.equal(logp, logq):
+                hint = ("the ratio is inverted: r = pi_ref(x) / pi_theta(x) = exp(logq - logp), "
+                        "since the samples come from pi_theta")
+            elif np.allclose(got_np, to_numpy(kl.kl_k1(logp, logq)), atol=1e-7) and not torch.equal(logp, logq):
+                hint = "that is k1 = -log r; k3 adds the zero-mean control variate (r - 1)"
+        assert_close(name, case, expected, _grad_free(got), hint=hint, atol=1e-7, rtol=1e-6)
+    passed(name, len(cases))
