@@ -42,7 +42,7 @@ def grade_notebook(path: Path) -> list[dict]:
                         "--no-header", "-o", "addopts=", str(path)],
                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
         if not report.exists():
-            return [{"file": str(path), "cell": -1, "is_check": True, "outcome": "failed",
+            return [{"file": str(path), "cell": -1, "label": "notebook", "is_check": True, "outcome": "failed",
                      "error": "pytest/nbval could not run this notebook (is it valid JSON?)"}]
         return json.loads(report.read_text())
 
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
         print(f"{str(path):<{width}}  {passed:>2} / {n:<2}  {score:5.0f}%")
         for r in checks + other:
             if r["outcome"] != "passed":
-                print(f"{'':<{width}}    cell {r['cell']}: {r['error'] or r['outcome']}")
+                print(f"{'':<{width}}    {r['label']}: {r['error'] or r['outcome']}")
         total_passed, total = total_passed + passed, total + n
     print(f"{'total':<{width}}  {total_passed:>2} / {total:<2}  {100 * total_passed / max(total, 1):5.0f}%")
     return 0 if all_passed else 1

@@ -7,7 +7,8 @@ import json
 import os
 import re
 
-_CHECK_CALL = re.compile(r"\bcheck_\w+\s*\(")
+_CHECK_CALL = re.compile(r"\b(check_\w+)\s*\(")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _cells: dict[str, dict] = {}
 
 
@@ -15,8 +16,10 @@ def pytest_collection_modifyitems(items):
     for item in items:
         cell = getattr(item, "cell", None)
         if cell is not None:
+            check = _CHECK_CALL.search(cell.source)
             _cells[item.nodeid] = {"file": str(item.fspath), "cell": item.cell_num,
-                                   "is_check": bool(_CHECK_CALL.search(cell.source)),
+                                   "is_check": bool(check),
+                                   "label": check.group(1) if check else f"cell {item.cell_num}",
                                    "outcome": "not run", "error": ""}
 
 
@@ -26,7 +29,7 @@ def pytest_runtest_logreport(report):
         return
     record["outcome"] = report.outcome
     if report.failed:
-        text = str(report.longrepr)
+        text = _ANSI.sub("", str(report.longrepr))
         errors = re.findall(r"^\s*(\w+(?:Error|Exception|Implemented\w*)\b.*)$", text, flags=re.M)
         record["error"] = (errors[-1] if errors else text.strip().splitlines()[-1]).strip()[:200]
 

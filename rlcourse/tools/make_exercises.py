@@ -13,6 +13,7 @@ from pathlib import Path
 
 import nbformat
 
+KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 ROOT = Path(__file__).resolve().parents[2]
 _DEF = re.compile(r"^\s*def\s+(\w+)\s*\(")
@@ -58,7 +59,9 @@ def make_exercise(solution: nbformat.NotebookNode, name: str) -> nbformat.Notebo
             cell.execution_count = None
     if n_regions == 0:
         raise ValueError(f"{name}: no '{BEGIN}' regions: nothing for the learner to do")
-    nb.metadata.pop("widgets", None)
+    # Only stable metadata: executing the solution (kernel version, widget state) must not make
+    # the exercise look stale.
+    nb.metadata = nbformat.from_dict({"kernelspec": KERNELSPEC, "language_info": {"name": "python"}})
     return nb
 
 

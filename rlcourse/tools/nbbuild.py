@@ -14,7 +14,7 @@ from pathlib import Path
 
 import nbformat
 
-KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
+from rlcourse.tools.make_exercises import KERNELSPEC
 
 
 def py_to_notebook(text: str) -> nbformat.NotebookNode:

@@ -1,0 +1,68 @@
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from rlcourse import runtime
+
+
+def test_profile_from_environment_and_override(monkeypatch):
+    monkeypatch.setenv("RLCOURSE_PROFILE", "demo")
+    assert runtime.profile() == "demo"
+    assert runtime.by_profile(ci=1, laptop=2, demo=3) == 3
+    runtime.set_profile("ci")
+    try:
+        assert runtime.by_profile(ci=1, laptop=2) == 1
+    finally:
+        runtime.set_profile(None)
+    monkeypatch.setenv("RLCOURSE_PROFILE", "")
+    assert runtime.profile() == "laptop"
+    monkeypatch.setenv("RLCOURSE_PROFILE", "demo")
+    assert runtime.by_profile(ci=1, laptop=2) == 2  # demo falls back to laptop
+
+
+def test_bad_profile_is_named(monkeypatch):
+    monkeypatch.setenv("RLCOURSE_PROFILE", "huge")
+    with pytest.raises(ValueError, match="RLCOURSE_PROFILE='huge'"):
+        runtime.profile()
+    with pytest.raises(ValueError, match="profile must be one of"):
+        runtime.set_profile("huge")
+
+
+def test_seeding_makes_numpy_and_torch_repeatable():
+    runtime.seed_everything(7)
+    a = (np.random.rand(3), torch.rand(3))
+    rng = runtime.seed_everything(7)
+    b = (np.random.rand(3), torch.rand(3))
+    assert np.array_equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert isinstance(rng, np.random.Generator)
+    with pytest.raises(ValueError, match="seed"):
+        runtime.seed_everything(-1)
+
+
+def test_device_and_threads(monkeypatch):
+    monkeypatch.setenv("RLCOURSE_DEVICE", "cpu")
+    assert runtime.device() == torch.device("cpu")
+    before = torch.get_num_threads()
+    try:
+        assert runtime.set_threads(1) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="threads"):
+        runtime.set_threads(0)
+
+
+def test_importing_rlcourse_sets_omp_wait_policy_before_torch():
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "HF_HUB_OFFLINE")}
+    code = ("import sys, os, rlcourse; assert 'torch' not in sys.modules; "
+            "print(os.environ['OMP_WAIT_POLICY'], os.environ['HF_HUB_OFFLINE'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["PASSIVE", "1"]
+
+
+def test_command_line_info():
+    out = subprocess.run([sys.executable, "-m", "rlcourse", "info"], capture_output=True, text=True, check=True)
+    assert "profile=" in out.stdout and "device=" in out.stdout
