@@ -261,3 +261,87 @@ def q_learning(env, episodes: int, alpha: float = 0.5, gamma: float = 0.9, epsil
                 break
         lengths[ep] = t + 1
     return QLearningResult(Q=Q, episode_returns=returns, episode_lengths=lengths)
+
+
+# ---------------------------------------------------------------------------------- exact policy gradient
+# A tabular softmax policy has one logit per (state, action): pi(a|s) = exp(theta[s, a]) / sum_b exp(theta[s, b]).
+# On a small MDP its objective J(theta) and the gradient dJ/dtheta can be computed *exactly*, which
+# gives the Monte-Carlo estimators of lessons 02-03 something true to be compared with.
+def softmax_policy(theta) -> np.ndarray:
+    """``pi(a|s) = exp(theta[s, a]) / sum_b exp(theta[s, b])`` for logits ``theta`` of shape ``(S, A)``."""
+    theta = np.asarray(theta, dtype=float)
+    if theta.ndim != 2:
+        raise ValueError(f"theta must have shape (S, A), got {theta.shape}")
+    z = np.exp(theta - theta.max(axis=1, keepdims=True))  # shifting the logits avoids overflow
+    return z / z.sum(axis=1, keepdims=True)
+
+
+def _check_theta(mdp: TabularMDP, theta) -> np.ndarray:
+    theta = np.asarray(theta, dtype=float)
+    if theta.shape != (mdp.n_states, mdp.n_actions):
+        raise ValueError(f"theta must have shape (S, A) = {(mdp.n_states, mdp.n_actions)}, got {theta.shape}")
+    if not np.all(np.isfinite(theta)):
+        raise ValueError("theta must be finite")
+    return theta
+
+
+def discounted_visitation(mdp: TabularMDP, policy, gamma: float) -> np.ndarray:
+    """Discounted state visitation ``d(s) = sum_t gamma^t Pr(s_t = s)`` from the start distribution.
+
+    In matrix form ``d^T = mu^T (I - gamma P_pi)^{-1}``: the same linear system as policy evaluation,
+    solved from the other side. Terminal states are counted when entered but pass nothing on
+    (their rows of ``P_pi`` are empty). ``d`` is not normalised: it sums to the expected discounted
+    episode length.
+    """
+    gamma = _check_gamma(gamma)
+    P_pi, _ = policy_dynamics(mdp, policy)
+    try:
+        d = np.linalg.solve((np.eye(mdp.n_states) - gamma * P_pi).T, mdp.start)
+    except np.linalg.LinAlgError:
+        raise ValueError("I - gamma * P_pi is singular: with gamma = 1 the policy must reach a "
+                         "terminal state from every state (use gamma < 1)") from None
+    return d
+
+
+def softmax_objective(mdp: TabularMDP, theta, gamma: float) -> float:
+    """``J(theta) = E[sum_t gamma^t r_t] = sum_s mu(s) V^{pi_theta}(s)``, by exact policy evaluation."""
+    theta = _check_theta(mdp, theta)
+    return float(mdp.start @ policy_evaluation(mdp, softmax_policy(theta), gamma))
+
+
+def softmax_policy_gradient(mdp: TabularMDP, theta, gamma: float) -> np.ndarray:
+    """The exact gradient of :func:`softmax_objective`, by the policy-gradient theorem.
+
+    ``dJ/dtheta[s, a] = d(s) * pi(a|s) * A^pi(s, a)``
+
+    where ``d`` is the :func:`discounted_visitation` and ``A^pi = Q^pi - V^pi``. It comes from
+    ``grad J = sum_s d(s) sum_b Q(s, b) grad pi(b|s)`` and the softmax derivative
+    ``d pi(b|s) / d theta[s, a] = pi(b|s) (1[a = b] - pi(a|s))``. Returns an ``(S, A)`` array; rows
+    of terminal states are 0 (nothing is decided there).
+    """
+    theta = _check_theta(mdp, theta)
+    policy = softmax_policy(theta)
+    return discounted_visitation(mdp, policy, gamma)[:, None] * policy * advantages(mdp, policy, gamma)
+
+
+def softmax_policy_gradient_autograd(mdp: TabularMDP, theta, gamma: float) -> np.ndarray:
+    """The same gradient by torch autograd through the exact evaluation ``V = (I - gamma P_pi)^{-1} r_pi``.
+
+    A second, independent route (no policy-gradient theorem involved): build ``J(theta)`` with
+    differentiable operations in float64 and let autograd differentiate the linear solve.
+    """
+    import torch
+
+    theta = _check_theta(mdp, theta)
+    gamma = _check_gamma(gamma)
+    th = torch.tensor(theta, dtype=torch.float64, requires_grad=True)
+    pi = torch.softmax(th, dim=1)
+    P = torch.as_tensor(mdp.P, dtype=torch.float64)
+    R = torch.as_tensor(mdp.R, dtype=torch.float64)
+    alive = torch.as_tensor(~mdp.terminal, dtype=torch.float64)[:, None]  # empty the terminal rows
+    P_pi = torch.einsum("sa,sat->st", pi, P) * alive
+    r_pi = (pi * R).sum(1) * alive[:, 0]
+    V = torch.linalg.solve(torch.eye(mdp.n_states, dtype=torch.float64) - gamma * P_pi, r_pi)
+    J = torch.as_tensor(mdp.start, dtype=torch.float64) @ V
+    J.backward()
+    return th.grad.numpy()

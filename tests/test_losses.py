@@ -1,0 +1,82 @@
+"""The REINFORCE surrogate and the Psi helpers."""
+import numpy as np
+import pytest
+
+import rlcourse  # noqa: F401  (before torch)
+import torch
+
+from rlcourse import losses, returns, tabular
+from rlcourse.classic.gradient_estimates import sample_episodes, softmax_score_gradients
+from rlcourse.envs import GridWorld
+
+
+def test_reinforce_loss_value_by_hand():
+    logp = torch.tensor([[-0.5, -1.0, -2.0], [-0.1, -0.2, -0.3]])
+    psi = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    expected = -((-0.5 * 1 - 1.0 * 2) + (-0.1 * 4 - 0.2 * 5 - 0.3 * 6)) / 2
+    assert float(losses.reinforce_loss(logp, psi, mask)) == pytest.approx(expected)
+    assert float(losses.reinforce_loss(logp, psi, mask.bool())) == pytest.approx(expected)
+    # one weight per sequence broadcasts over its steps
+    per_seq = losses.reinforce_loss(logp, torch.tensor([[2.0], [-1.0]]))
+    assert float(per_seq) == pytest.approx(-(2 * (-3.5) - 1 * (-0.6)) / 2)
+
+
+def test_gradient_equals_the_score_function_estimate_on_the_gridworld():
+    # Oracle: the closed-form per-episode score-function gradients of a tabular softmax.
+    mdp = GridWorld("maze2x3", slip=0.2, step_reward=-1.0).mdp
+    theta = np.random.default_rng(0).normal(size=(mdp.n_states, mdp.n_actions))
+    batch = sample_episodes(mdp, tabular.softmax_policy(theta), 64, np.random.default_rng(1))
+    rewards, mask = torch.as_tensor(batch.rewards), torch.as_tensor(batch.mask)
+    psi = losses.psi_reward_to_go(rewards, 0.9, mask, time_discount=True)
+    th = torch.tensor(theta, requires_grad=True)
+    logp = torch.log_softmax(th[torch.as_tensor(batch.states)], -1).gather(
+        -1, torch.as_tensor(batch.actions)[..., None]).squeeze(-1)
+    losses.reinforce_loss(logp, psi, mask).backward()
+    expected = softmax_score_gradients(theta, batch, psi.numpy()).mean(0)
+    np.testing.assert_allclose(-th.grad.numpy(), expected, atol=1e-12)
+
+
+def test_psi_is_detached():
+    logp = torch.randn(3, 4, requires_grad=True)
+    psi = torch.randn(3, 4, requires_grad=True)
+    losses.reinforce_loss(logp, psi).backward()
+    assert psi.grad is None
+    np.testing.assert_allclose(logp.grad.numpy(), -psi.detach().numpy() / 3, rtol=1e-6)
+
+
+def test_padding_gets_no_gradient():
+    logp = torch.randn(2, 3, requires_grad=True)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0]])
+    losses.reinforce_loss(logp, torch.ones(2, 3), mask).backward()
+    assert torch.all(logp.grad[mask == 0] == 0)
+
+
+def test_psi_helpers():
+    rewards = torch.tensor([[1.0, 2.0, 4.0], [3.0, 5.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    g = 0.5
+    torch.testing.assert_close(losses.psi_total_return(rewards, g, mask),
+                               torch.tensor([[1 + 0.5 * 2 + 0.25 * 4], [3 + 0.5 * 5]]))
+    rtg = torch.tensor([[1 + 1 + 1.0, 2 + 2.0, 4.0], [3 + 2.5, 5.0, 0.0]])
+    torch.testing.assert_close(losses.psi_reward_to_go(rewards, g, mask), rtg)
+    torch.testing.assert_close(losses.psi_reward_to_go(rewards, g, mask, time_discount=True),
+                               rtg * torch.tensor([[1, 0.5, 0.25], [1, 0.5, 0.0]]))
+    V = torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]])
+    torch.testing.assert_close(losses.psi_reward_to_go_minus_baseline(rewards, V, g, mask),
+                               (rtg - V) * mask)
+    torch.testing.assert_close(losses.psi_reward_to_go_minus_baseline(rewards, 1.5, g, mask),
+                               (rtg - 1.5) * mask)
+    # the same numbers as the NumPy path of returns.py
+    np.testing.assert_allclose(rtg.numpy(), returns.reward_to_go(rewards.numpy(), g, mask=mask.numpy()))
+
+
+def test_bad_inputs_name_the_argument():
+    with pytest.raises(ValueError, match="logprobs must be a torch tensor of shape"):
+        losses.reinforce_loss(torch.zeros(3), torch.zeros(3))
+    with pytest.raises(ValueError, match="mask must be a tensor of the shape of logprobs"):
+        losses.reinforce_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="psi must be broadcastable"):
+        losses.reinforce_loss(torch.zeros(2, 3), torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="baseline must be broadcastable"):
+        losses.psi_reward_to_go_minus_baseline(torch.zeros(2, 3), torch.zeros(4), 0.9)
