@@ -1,0 +1,119 @@
+"""A preference task with a hidden "gold" score, for reward models, RLHF and DPO.
+
+Prompts are two letters and a colon, ``"ce:"``; a completion is a short word over the letters
+``a``-``h``. A hidden gold score says how good a completion is:
+
+    gold(x, y) = mean_i [1 - min_j |y_i - x_j| / 7]  -  0.25 |len(y) - 4|
+
+(letters are numbered a=0 ... h=7): letters close to the prompt's letters are good and four
+letters is the best length. Empty words or words with other characters score -1.
+
+Nobody shows the learner this formula. As with human feedback, they only see *comparisons*: two
+completions of the same prompt, and which one a rater preferred. Raters follow the
+Bradley-Terry model with the gold score as the latent utility,
+
+    P(y_a preferred to y_b | x) = sigmoid(beta * (gold(x, y_a) - gold(x, y_b))),
+
+so a large ``beta`` means reliable raters and a small one noisy raters. A reward model trained on
+these pairs is a *proxy* for the gold score; lessons 08 and 11 measure both as a policy optimises
+the proxy.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from rlcourse.lm._checks import as_rng, check_count, check_pairs
+
+LETTERS = "abcdefgh"
+
+
+class PreferenceTask:
+    """Hidden gold score over short words, and Bradley-Terry comparisons of pairs of them."""
+
+    def __init__(self, target_length: int = 4, max_length: int = 7, beta: float = 4.0):
+        if not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+        if not isinstance(target_length, int) or not 1 <= target_length <= max_length:
+            raise ValueError(f"target_length must be an integer in [1, max_length={max_length}], "
+                             f"got {target_length!r}")
+        if not beta > 0:
+            raise ValueError(f"beta must be > 0, got {beta!r}")
+        self.target_length, self.max_length, self.beta = target_length, max_length, beta
+        self.max_new_tokens = max_length + 1
+
+    def __repr__(self):
+        return (f"PreferenceTask(target_length={self.target_length}, max_length={self.max_length}, "
+                f"beta={self.beta})")
+
+    def prompts(self, n: int, rng=None) -> list[str]:
+        """``n`` prompts of two random letters, e.g. ``"ce:"``."""
+        check_count(n)
+        idx = as_rng(rng).integers(0, len(LETTERS), size=(n, 2))
+        return [f"{LETTERS[i]}{LETTERS[j]}:" for i, j in idx]
+
+    def test_prompts(self, n: int = 64) -> list[str]:
+        """All 64 letter pairs in a fixed order, cycled to length ``n``."""
+        check_count(n)
+        pool = [f"{a}{b}:" for a in LETTERS for b in LETTERS]
+        return [pool[i % len(pool)] for i in range(n)]
+
+    def _letters(self, prompt: str) -> list[int]:
+        if len(prompt) != 3 or prompt[2] != ":" or any(c not in LETTERS for c in prompt[:2]):
+            raise ValueError(f"prompt must be two letters from {LETTERS!r} and ':', got {prompt!r}")
+        return [LETTERS.index(c) for c in prompt[:2]]
+
+    def gold_score(self, prompt: str, completion: str) -> float:
+        """The hidden score of one completion (see the module docstring)."""
+        anchors = self._letters(prompt)
+        if not completion or len(completion) > self.max_length or any(c not in LETTERS for c in completion):
+            return -1.0
+        span = len(LETTERS) - 1
+        closeness = np.mean([1 - min(abs(LETTERS.index(c) - a) for a in anchors) / span
+                             for c in completion])
+        return float(closeness - 0.25 * abs(len(completion) - self.target_length))
+
+    def reward(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
+        """The gold score of each completion (what a perfect reward model would output)."""
+        check_pairs(prompts, completions)
+        return torch.tensor([self.gold_score(p, c) for p, c in zip(prompts, completions)],
+                            dtype=torch.float32)
+
+    gold = reward
+
+    def reference_completion(self, rng=None) -> str:
+        """What an untrained "base policy" writes: a random word of 1..max_length letters."""
+        rng = as_rng(rng)
+        length = int(rng.integers(1, self.max_length + 1))
+        return "".join(LETTERS[i] for i in rng.integers(0, len(LETTERS), size=length))
+
+    def sft_dataset(self, n: int, rng=None) -> list[dict]:
+        """``n`` base-policy examples ``{"prompt", "completion"}``: random words, no preference."""
+        rng = as_rng(rng)
+        return [{"prompt": p, "completion": self.reference_completion(rng)} for p in self.prompts(n, rng)]
+
+    def preference_probability(self, prompt: str, a: str, b: str) -> float:
+        """Bradley-Terry ``P(a preferred to b) = sigmoid(beta * (gold(a) - gold(b)))``."""
+        diff = self.beta * (self.gold_score(prompt, a) - self.gold_score(prompt, b))
+        return 1.0 / (1.0 + math.exp(-diff))
+
+    def preference_pairs(self, n: int, rng=None) -> list[dict]:
+        """``n`` rated comparisons ``{"prompt", "chosen", "rejected"}`` (TRL's preference format).
+
+        For each prompt two different base-policy completions are drawn, and a simulated rater
+        picks the chosen one with the Bradley-Terry probability: sometimes the worse one.
+        """
+        rng = as_rng(rng)
+        pairs = []
+        for prompt in self.prompts(n, rng):
+            a = self.reference_completion(rng)
+            b = self.reference_completion(rng)
+            while b == a:
+                b = self.reference_completion(rng)
+            if rng.random() < self.preference_probability(prompt, a, b):
+                pairs.append({"prompt": prompt, "chosen": a, "rejected": b})
+            else:
+                pairs.append({"prompt": prompt, "chosen": b, "rejected": a})
+        return pairs

@@ -1,0 +1,155 @@
+"""Batched sampling from a causal LM with a KV cache, returning what RL needs.
+
+One call rolls out a batch of prompts and returns a :class:`Rollout`: the completion tokens, the
+log-prob of each token under the sampling distribution, and masks that say which tokens count.
+
+How it works (the same loop as ``model.generate``, with the RL bookkeeping kept visible):
+
+1. Tokenise the prompts with **left** padding, so every row's last prompt token is in the last
+   column and one column of logits gives every row's next-token distribution.
+2. Position ids come from the attention mask (``cumsum - 1``): GPT-2's absolute positions must
+   start at the first real token, not at the first pad.
+3. One forward pass over the prompts fills the KV cache. Each later step feeds only the newly
+   sampled token (B, 1) and reuses the cached keys and values: O(T) work per step, not O(T^2).
+4. The next token is drawn from ``softmax(logits / temperature)``, optionally restricted to the
+   ``top_k`` largest logits. Its log-prob is read from the *untruncated* temperature-scaled
+   distribution, which is what :func:`rlcourse.lm.logprobs.sequence_logprobs` recomputes.
+5. A row that has produced ``<eos>`` is finished: it keeps receiving ``<pad>``, its mask is 0
+   and its log-probs are 0. The loop stops early once every row is finished.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from rlcourse.lm.logprobs import position_ids_from_mask
+from rlcourse.lm.tokenizer import check_encodable
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled completions. Shapes: B prompts, P prompt columns, T completion columns.
+
+    ``completion_mask[b, t]`` is 1 for the tokens up to and including the first ``<eos>`` and 0
+    after it (or 1 everywhere if the row hit ``max_new_tokens`` without ending).
+    ``logprobs[b, t] = log pi(completion_ids[b, t] | prompt, completion_ids[b, :t])`` at the
+    sampling temperature, 0 where the mask is 0.
+    """
+
+    prompt_ids: torch.Tensor       # (B, P) long, left-padded
+    prompt_mask: torch.Tensor      # (B, P) long, 0 on the left pads
+    completion_ids: torch.Tensor   # (B, T) long, <pad> after <eos>
+    completion_mask: torch.Tensor  # (B, T) long
+    logprobs: torch.Tensor         # (B, T) float
+    completions: list[str] = field(default_factory=list)  # decoded, special tokens removed
+    prompts: list[str] = field(default_factory=list)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """Mask of the whole ``[prompt | completion]`` sequence, (B, P + T)."""
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    @property
+    def finished(self) -> torch.Tensor:
+        """(B,) bool: the row produced ``<eos>`` (False when it was cut at ``max_new_tokens``)."""
+        eos = (self.completion_ids == self._eos_id) & self.completion_mask.bool()
+        return eos.any(dim=1)
+
+    _eos_id: int = -1
+
+
+def encode_prompts(tokenizer, prompts: list[str], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(input_ids, attention_mask)`` for a list of prompt strings."""
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of strings, got {type(prompts).__name__}")
+    check_encodable(tokenizer, list(prompts), "prompts")
+    enc = tokenizer(list(prompts), padding=True, padding_side="left", return_tensors="pt")
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from ``logits`` (B, V); return it (B,) and its log-prob (B,)."""
+    if temperature == 0:  # greedy decoding; the log-prob reported is that of the T=1 policy
+        logp_all = F.log_softmax(logits, dim=-1)
+        token = logits.argmax(dim=-1)
+    else:
+        scaled = logits / temperature
+        logp_all = F.log_softmax(scaled, dim=-1)
+        if top_k is not None and top_k < scaled.shape[-1]:
+            kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = F.softmax(scaled, dim=-1)
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return token, logp_all.gather(1, token.unsqueeze(1)).squeeze(1)
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+           top_k: int | None = None, generator: torch.Generator | None = None) -> Rollout:
+    """Sample one completion per prompt, batched, with a KV cache. See the module docstring.
+
+    ``temperature=0`` decodes greedily. ``generator`` (a ``torch.Generator`` on the model's
+    device) makes the draw reproducible. The model is put in eval mode during the call and
+    returned to its previous mode.
+    """
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or a positive integer, got {top_k!r}")
+    dev = next(model.parameters()).device
+    if generator is not None and generator.device.type != dev.type:
+        raise ValueError(f"generator must live on the model's device ({dev}), got one on "
+                         f"{generator.device}")
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if eos_id is None or pad_id is None:
+        raise ValueError("tokenizer must define both eos_token and pad_token")
+
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, dev)
+    batch = prompt_ids.shape[0]
+    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and prompt_ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"prompt length {prompt_ids.shape[1]} + max_new_tokens {max_new_tokens} "
+                         f"exceeds the model's {limit} positions")
+
+    was_training = model.training
+    model.eval()
+    try:
+        cache = DynamicCache(config=model.config)
+        attention_mask = prompt_mask
+        positions = position_ids_from_mask(prompt_mask)
+        out = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        next_position = positions[:, -1:] + 1
+        finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        tokens, logps, masks = [], [], []
+        for step in range(max_new_tokens):
+            token, logp = _next_token(out.logits[:, -1].float(), temperature, top_k, generator)
+            alive = ~finished
+            token = torch.where(alive, token, torch.full_like(token, pad_id))
+            tokens.append(token)
+            logps.append(torch.where(alive, logp, torch.zeros_like(logp)))
+            masks.append(alive.long())
+            finished = finished | (token == eos_id)
+            if step == max_new_tokens - 1 or bool(finished.all()):
+                break
+            # Feed only the new token; the cache holds every earlier key and value.
+            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+            out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask,
+                        position_ids=next_position, past_key_values=cache, use_cache=True)
+            next_position = next_position + 1
+    finally:
+        model.train(was_training)
+
+    completion_ids = torch.stack(tokens, dim=1)
+    completion_mask = torch.stack(masks, dim=1)
+    texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, pad_id).tolist(),
+                                   skip_special_tokens=True)
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                   completion_mask=completion_mask, logprobs=torch.stack(logps, dim=1),
+                   completions=texts, prompts=list(prompts), _eos_id=eos_id)

@@ -1,0 +1,170 @@
+"""The sampler against independent oracles: a fresh full forward pass, HF generate, and the masks."""
+import rlcourse  # noqa: F401  (before torch)
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlcourse.lm.logprobs import (next_token_logprobs, sequence_logprobs,
+                                  token_logprobs_from_logits)
+from rlcourse.lm.model import make_model
+from rlcourse.lm.sampling import sample
+from rlcourse.lm.tokenizer import build_char_tokenizer
+
+# Variable lengths, so left padding and position ids are exercised.
+PROMPTS = ["12+34=", "7+1=", "123456+7=", "S=07:", "ce:", "9"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    torch.set_num_threads(1)
+    return make_model("tiny", tok, seed=0)
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, None), (1.5, 5), (0.0, None)])
+def test_sampler_logprobs_equal_a_fresh_full_forward(model, tok, temperature, top_k):
+    g = torch.Generator().manual_seed(1)
+    roll = sample(model, tok, PROMPTS, 12, temperature=temperature, top_k=top_k, generator=g)
+    # The oracle: one forward pass over [prompt | completion], no cache, recomputed log-probs.
+    recomputed = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, roll.completion_mask,
+                                   roll.prompt_mask, temperature=temperature or 1.0)
+    assert torch.allclose(roll.logprobs, recomputed, atol=1e-5, rtol=0)
+    assert (roll.logprobs[roll.completion_mask == 0] == 0).all()
+
+
+def test_left_padding_does_not_change_logprobs(model, tok):
+    """A prompt alone and the same prompt padded in a batch get the same completion log-probs."""
+    g = torch.Generator().manual_seed(2)
+    roll = sample(model, tok, PROMPTS, 8, generator=g)
+    for i, prompt in enumerate(PROMPTS):
+        alone_ids = tok([prompt], return_tensors="pt")["input_ids"]
+        alone = sequence_logprobs(model, alone_ids, roll.completion_ids[i:i + 1],
+                                  roll.completion_mask[i:i + 1])
+        assert torch.allclose(alone, roll.logprobs[i:i + 1], atol=1e-5, rtol=0), prompt
+
+
+def test_position_ids_matter(model, tok):
+    """Without position ids from the mask, padded rows get different (wrong) log-probs."""
+    roll = sample(model, tok, PROMPTS, 6, generator=torch.Generator().manual_seed(3))
+    ids = torch.cat([roll.prompt_ids, roll.completion_ids], 1)
+    mask = torch.cat([roll.prompt_mask, roll.completion_mask], 1)
+    naive = model(input_ids=ids, attention_mask=mask).logits  # positions 0..L-1, pads included
+    P = roll.prompt_ids.shape[1]
+    naive_lp = token_logprobs_from_logits(naive[:, P - 1:-1], roll.completion_ids) * roll.completion_mask
+    padded = roll.prompt_mask[:, 0] == 0
+    assert (naive_lp[padded] - roll.logprobs[padded]).abs().max() > 1e-3
+    assert torch.allclose(naive_lp[~padded], roll.logprobs[~padded], atol=1e-5)
+
+
+def test_nothing_after_eos_is_counted(model, tok):
+    # An untrained model at a high temperature draws <eos> with probability ~1/81 per step:
+    # over 20 steps some rows end early and others run to the limit.
+    roll = sample(model, tok, PROMPTS * 16, 20, temperature=2.0,
+                  generator=torch.Generator().manual_seed(4))
+    eos = roll.completion_ids == tok.eos_token_id
+    ended = eos.any(1)
+    assert ended.sum() >= 5 and (~ended).sum() >= 5          # both kinds of rows are present
+    T = roll.completion_ids.shape[1]
+    for i in range(len(roll.completions)):
+        stop = int(eos[i].float().argmax()) + 1 if ended[i] else T   # tokens that count
+        assert roll.completion_mask[i, :stop].eq(1).all()            # up to and including <eos>
+        assert roll.completion_mask[i, stop:].eq(0).all()            # nothing after it
+        assert (roll.completion_ids[i, stop:] == tok.pad_token_id).all()
+        assert (roll.logprobs[i, stop:] == 0).all()
+        assert roll.completions[i] == tok.decode(roll.completion_ids[i, :stop].tolist(),
+                                                 skip_special_tokens=True)
+    assert torch.equal(roll.finished, ended)
+
+
+def test_seeded_sampler_is_deterministic(model, tok):
+    a = sample(model, tok, PROMPTS, 10, generator=torch.Generator().manual_seed(7))
+    b = sample(model, tok, PROMPTS, 10, generator=torch.Generator().manual_seed(7))
+    c = sample(model, tok, PROMPTS, 10, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a.completion_ids, b.completion_ids) and a.completions == b.completions
+    assert torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+
+
+def test_greedy_matches_hf_generate(model, tok):
+    roll = sample(model, tok, PROMPTS, 10, temperature=0.0)
+    enc = tok(PROMPTS, padding=True, return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id)
+    hf = out[:, enc["input_ids"].shape[1]:]
+    T = roll.completion_ids.shape[1]
+    ours = roll.completion_ids.masked_fill(roll.completion_mask == 0, tok.pad_token_id)
+    assert torch.equal(ours, hf[:, :T])
+
+
+def test_top_k_only_draws_from_the_k_best(model, tok):
+    roll = sample(model, tok, PROMPTS * 20, 1, temperature=1.0, top_k=3,
+                  generator=torch.Generator().manual_seed(5))
+    full = next_token_logprobs(model, roll.prompt_ids, roll.completion_ids, roll.prompt_mask)[:, 0]
+    rank = (full > full.gather(1, roll.completion_ids)).sum(1)  # how many tokens beat the drawn one
+    assert (rank < 3).all()
+
+
+def test_first_token_frequencies_match_the_softmax(model, tok):
+    """Sampling at T draws from softmax(logits / T): a chi-square-style check on 4000 draws."""
+    n = 4000
+    roll = sample(model, tok, ["12+34="] * n, 1, temperature=0.5,
+                  generator=torch.Generator().manual_seed(6))
+    probs = next_token_logprobs(model, roll.prompt_ids[:1], roll.completion_ids[:1],
+                                roll.prompt_mask[:1], temperature=0.5)[0, 0].exp()
+    counts = torch.bincount(roll.completion_ids[:, 0], minlength=probs.numel()).float()
+    sd = (n * probs * (1 - probs)).sqrt()
+    assert ((counts - n * probs).abs() <= 5 * sd + 1).all()
+
+
+def test_token_logprobs_is_a_gather_not_a_vocabulary_sum():
+    logits = torch.randn(3, 4, 7)
+    tokens = torch.randint(0, 7, (3, 4))
+    expected = torch.distributions.Categorical(logits=logits / 0.8).log_prob(tokens)
+    assert torch.allclose(token_logprobs_from_logits(logits, tokens, 0.8), expected, atol=1e-6)
+    wrong = F.log_softmax(logits, -1).sum(-1)                 # the syllabus' slip
+    assert not torch.allclose(token_logprobs_from_logits(logits, tokens), wrong)
+
+
+def test_next_token_logprobs_are_distributions(model, tok):
+    roll = sample(model, tok, PROMPTS, 5, generator=torch.Generator().manual_seed(9))
+    full = next_token_logprobs(model, roll.prompt_ids, roll.completion_ids, roll.prompt_mask)
+    assert full.shape == (len(PROMPTS), roll.completion_ids.shape[1], len(tok))
+    assert torch.allclose(full.exp().sum(-1), torch.ones(full.shape[:2]), atol=1e-5)
+    picked = full.gather(-1, roll.completion_ids[..., None])[..., 0] * roll.completion_mask
+    assert torch.allclose(picked, roll.logprobs, atol=1e-5)
+
+
+def test_sequence_logprobs_has_gradients(model, tok):
+    roll = sample(model, tok, PROMPTS, 5, generator=torch.Generator().manual_seed(10))
+    lp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, roll.completion_mask, roll.prompt_mask)
+    lp.sum().backward()
+    assert model.transformer.wte.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompts="12+34=", max_new_tokens=3), "prompts must be a non-empty list"),
+    (dict(prompts=[], max_new_tokens=3), "prompts must be a non-empty list"),
+    (dict(prompts=["1+1="], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompts=["1+1="], max_new_tokens=3, temperature=-1), "temperature"),
+    (dict(prompts=["1+1="], max_new_tokens=3, top_k=0), "top_k"),
+    (dict(prompts=["1#1="], max_new_tokens=3), "outside the tokenizer's alphabet"),
+    (dict(prompts=["1+1="], max_new_tokens=100), "exceeds the model's 64 positions"),
+])
+def test_bad_arguments_are_named(model, tok, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sample(model, tok, **kwargs)
+
+
+def test_logprob_shape_errors(model, tok):
+    ids = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="completion_mask must have"):
+        sequence_logprobs(model, ids, ids, torch.ones(2, 4))
+    with pytest.raises(ValueError, match="same batch size"):
+        sequence_logprobs(model, ids, ids[:1], torch.ones(1, 3))
+    with pytest.raises(ValueError, match="tokens must have shape"):
+        token_logprobs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
