@@ -116,3 +116,181 @@ def psi_reward_to_go_minus_baseline(rewards: torch.Tensor, baseline, gamma: floa
 
 def _mask_or_ones(rewards: torch.Tensor, mask):
     return torch.ones_like(rewards, dtype=torch.float32) if mask is None else mask
+
+
+# ---------------------------------------------------------------------------------- PPO and its relatives
+# Lessons 05-06 (and the language-model PPO of lesson 08). Inputs are per-step (or per-token)
+# tensors of one shape: ``logprobs`` under the policy being optimised (with grad), ``old_logprobs``
+# under the policy that collected the data (no grad), ``advantages`` (no grad). Losses average
+# over the valid entries: ``sum(mask * x) / sum(mask)`` (a "token mean"; all entries when
+# ``mask`` is None). Sequence-level aggregations (GRPO, Dr. GRPO...) can reuse the per-entry
+# :func:`ppo_clip_objective` and average it their own way.
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum(mask * x) / sum(mask)``, or ``x.mean()`` when ``mask`` is None."""
+    if mask is None:
+        return x.mean()
+    if mask.shape != x.shape:
+        raise ValueError(f"mask must have the shape of the values {tuple(x.shape)}, got {tuple(mask.shape)}")
+    m = mask.to(x.dtype)
+    count = m.sum()
+    if float(count) == 0:
+        raise ValueError("mask selects no entries: the mean of an empty set is undefined")
+    return (x * m).sum() / count
+
+
+def _same_shape(**tensors):
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"these tensors must have one shape, got {shapes}")
+
+
+def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """``r_t(theta) = pi_theta(a_t|s_t) / pi_old(a_t|s_t) = exp(log pi_theta - log pi_old)``.
+
+    Taken as the exponential of a *difference of log-probabilities*: dividing probabilities
+    underflows for long sequences and unlikely tokens (0/0), and the difference is exactly 0 when
+    nothing has changed yet, so the ratio starts at exactly 1. ``old_logprobs`` is detached.
+    """
+    _same_shape(logprobs=logprobs, old_logprobs=old_logprobs)
+    return torch.exp(logprobs - old_logprobs.detach())
+
+
+def ppo_clip_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_coef: float = 0.2,
+                       clip_coef_high: float | None = None) -> torch.Tensor:
+    """The per-entry clipped surrogate (to be *maximised*) of PPO (Schulman et al., 2017):
+
+    ``L^CLIP_t = min( r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t )``
+
+    with ``eps_low = clip_coef`` and ``eps_high = clip_coef_high`` (default: ``clip_coef``; DAPO's
+    "clip-higher" sets it larger so unlikely tokens can grow). The min makes it a pessimistic
+    bound on the unclipped ``r_t A_t``: once the ratio has moved past ``1 + eps`` for ``A > 0`` (or
+    below ``1 - eps`` for ``A < 0``) the clipped branch is chosen, it is constant in theta, and the
+    gradient is 0; moves that make the objective *worse* are never clipped. Note it is not
+    ``min(r, clip(r)) A``: for ``A < 0`` the min of the products picks the *larger* ratio.
+    """
+    if clip_coef < 0 or (clip_coef_high is not None and clip_coef_high < 0):
+        raise ValueError(f"clip_coef and clip_coef_high must be >= 0, got {clip_coef!r}, {clip_coef_high!r}")
+    _same_shape(ratio=ratio, advantages=advantages)
+    high = clip_coef if clip_coef_high is None else clip_coef_high
+    advantages = advantages.detach()
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_coef, 1.0 + high) * advantages
+    return torch.minimum(unclipped, clipped)
+
+
+def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                  mask: torch.Tensor | None = None, clip_coef: float = 0.2,
+                  clip_coef_high: float | None = None) -> torch.Tensor:
+    """The PPO policy loss ``-masked_mean(L^CLIP)`` (see :func:`ppo_clip_objective`).
+
+    ``loss = - sum_t mask_t min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) / sum_t mask_t``
+
+    Any shape works (``(B,)`` transitions for CartPole, ``(N, T)`` tokens for a language model);
+    the mean is over all valid entries together (token mean).
+    """
+    _same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    ratio = importance_ratio(logprobs, old_logprobs)
+    return -masked_mean(ppo_clip_objective(ratio, advantages, clip_coef, clip_coef_high), mask)
+
+
+@torch.no_grad()
+def ppo_diagnostics(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor | None = None,
+                    mask: torch.Tensor | None = None, clip_coef: float = 0.2,
+                    clip_coef_high: float | None = None) -> dict:
+    """What to watch during PPO updates (as CleanRL logs them), as Python floats.
+
+    * ``approx_kl``: ``mean((r - 1) - log r)``, the k3 estimator of ``KL(pi_old || pi_theta)``
+      from the collected samples (unbiased, always >= 0);
+    * ``clip_fraction``: the share of entries outside ``[1 - eps_low, 1 + eps_high]``;
+    * ``clipped_fraction_active`` (when ``advantages`` is given): the share where the clipped
+      branch is selected *and* its gradient is zero, i.e. the entries that no longer learn.
+    """
+    log_ratio = (logprobs - old_logprobs).detach()
+    ratio = log_ratio.exp()
+    high = clip_coef if clip_coef_high is None else clip_coef_high
+    outside = ((ratio < 1.0 - clip_coef) | (ratio > 1.0 + high)).to(ratio.dtype)
+    out = {"approx_kl": float(masked_mean((ratio - 1.0) - log_ratio, mask)),
+           "clip_fraction": float(masked_mean(outside, mask))}
+    if advantages is not None:
+        a = advantages.detach()
+        frozen = (((ratio > 1.0 + high) & (a > 0)) | ((ratio < 1.0 - clip_coef) & (a < 0))).to(ratio.dtype)
+        out["clipped_fraction_active"] = float(masked_mean(frozen, mask))
+    return out
+
+
+def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor | None = None,
+               clip_coef: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The critic's loss, a halved mean squared error, optionally clipped as in PPO's code.
+
+    ``L^V = 1/2 mean( (V(s_t) - R_t)^2 )``
+
+    With ``clip_coef`` (and ``old_values``, the values at collection time) the new value may move
+    at most ``clip_coef`` from the old one before the loss stops rewarding the move, pessimistic
+    like the policy clip:
+
+    ``L^V = 1/2 mean( max( (V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2 ) )``
+
+    (an implementation detail of OpenAI's baselines; CleanRL keeps it, and finds it does not help
+    much). ``returns`` (the targets, e.g. ``A + V_old``) are detached.
+    """
+    _same_shape(values=values, returns=returns)
+    returns = returns.detach()
+    unclipped = (values - returns) ** 2
+    if clip_coef is None:
+        return 0.5 * masked_mean(unclipped, mask)
+    if old_values is None:
+        raise ValueError("old_values is required when clip_coef is given (the clip is around them)")
+    if clip_coef < 0:
+        raise ValueError(f"clip_coef must be >= 0, got {clip_coef!r}")
+    _same_shape(values=values, old_values=old_values)
+    old_values = old_values.detach()
+    clipped = old_values + torch.clamp(values - old_values, -clip_coef, clip_coef)
+    return 0.5 * masked_mean(torch.maximum(unclipped, (clipped - returns) ** 2), mask)
+
+
+def entropy_bonus(logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean entropy of categorical policies given their logits over the last dimension.
+
+    ``H(pi(.|s)) = - sum_a pi(a|s) log pi(a|s)``, averaged over the valid entries. Trainers
+    *subtract* ``ent_coef * H`` from the loss: a bonus for staying random a little longer, so the
+    policy does not collapse onto its first lucky action.
+    """
+    logp = torch.log_softmax(logits, dim=-1)
+    return masked_mean(-(logp.exp() * logp).sum(-1), mask)
+
+
+def ppo_penalty_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                     kl: torch.Tensor, beta: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """PPO's other variant: the unclipped surrogate with a KL penalty (to be minimised).
+
+    ``loss = - mean( r_t A_t ) + beta * mean( KL_t )``
+
+    ``kl`` holds a per-entry KL (exact per state, or a sample estimate) between ``pi_old`` and
+    ``pi_theta``, with grad; ``beta`` is adapted between updates by :func:`adaptive_kl_beta`.
+    """
+    _same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, kl=kl)
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta!r}")
+    surrogate = importance_ratio(logprobs, old_logprobs) * advantages.detach()
+    return -masked_mean(surrogate, mask) + beta * masked_mean(kl, mask)
+
+
+def adaptive_kl_beta(beta: float, kl: float, kl_target: float, factor: float = 2.0,
+                     tolerance: float = 1.5) -> float:
+    """The adaptive penalty coefficient of PPO-penalty (Schulman et al., 2017, section 4):
+
+    ``beta <- beta / factor`` if ``KL < kl_target / tolerance``;
+    ``beta <- beta * factor`` if ``KL > kl_target * tolerance``; else unchanged.
+
+    The paper's values are ``factor = 2``, ``tolerance = 1.5``: a step that overshot the target KL
+    makes the next penalty stronger, one that barely moved makes it weaker.
+    """
+    if beta <= 0 or kl_target <= 0 or factor <= 1 or tolerance < 1:
+        raise ValueError(f"expected beta > 0, kl_target > 0, factor > 1, tolerance >= 1; got "
+                         f"beta={beta!r}, kl_target={kl_target!r}, factor={factor!r}, tolerance={tolerance!r}")
+    kl = float(kl)
+    if kl < kl_target / tolerance:
+        return beta / factor
+    if kl > kl_target * tolerance:
+        return beta * factor
+    return beta
