@@ -81,9 +81,10 @@ def psi_reward_to_go(rewards: torch.Tensor, gamma: float, mask: torch.Tensor | N
     An action cannot change the past, so the rewards before t are dropped from its weight: same
     expectation, lower variance. With ``time_discount=True`` each step also gets ``gamma^t``
     (``Psi_t = gamma^t G_t``), which makes it an unbiased estimate of the gradient of the
-    *discounted* objective ``J = E[sum_t gamma^t r_t]``; the common implementation leaves that
-    factor out (and so follows a slightly different, undiscounted-state-weighting direction).
-    Returns ``(N, T)``.
+    *discounted* objective ``J = E[sum_t gamma^t r_t]``. The common implementation leaves that
+    factor out: it then weighs late states as much as early ones, is a biased estimate of
+    ``grad J`` and in general not the gradient of any objective (Nota & Thomas, 2020), yet works
+    well in practice. Lesson 02 measures the difference. Returns ``(N, T)``.
     """
     G = reward_to_go(rewards, gamma, mask=mask)
     if time_discount:
@@ -116,6 +117,27 @@ def psi_reward_to_go_minus_baseline(rewards: torch.Tensor, baseline, gamma: floa
 
 def _mask_or_ones(rewards: torch.Tensor, mask):
     return torch.ones_like(rewards, dtype=torch.float32) if mask is None else mask
+
+
+def trajectory_importance_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``rho(tau) = pi_new(tau) / pi_old(tau) = prod_t pi_new(a_t|s_t) / pi_old(a_t|s_t)``, one per row: ``(N,)``.
+
+    The transition probabilities cancel in the ratio (both policies face the same environment),
+    so only the policies' log-probabilities are needed. Computed as
+    ``exp(sum_t mask * (logprobs - old_logprobs))``: a sum of logs, not a product of ratios,
+    which would underflow or overflow on long sequences. With ``rho`` an expectation under the
+    new policy can be estimated from episodes of the old one (syllabus 001, eq. 27-29); the
+    product over T steps is why its variance explodes with the horizon.
+    """
+    _check_logprobs_mask(logprobs, mask)
+    if not isinstance(old_logprobs, torch.Tensor) or old_logprobs.shape != logprobs.shape:
+        raise ValueError(f"old_logprobs must be a tensor of the shape of logprobs {tuple(logprobs.shape)}, "
+                         f"got {getattr(old_logprobs, 'shape', type(old_logprobs).__name__)}")
+    diff = logprobs - old_logprobs
+    if mask is not None:
+        diff = diff * mask.to(diff.dtype)
+    return torch.exp(diff.sum(dim=1))
 
 
 # ---------------------------------------------------------------------------------- PPO and its relatives

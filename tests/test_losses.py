@@ -80,3 +80,32 @@ def test_bad_inputs_name_the_argument():
         losses.reinforce_loss(torch.zeros(2, 3), torch.zeros(3, 2))
     with pytest.raises(ValueError, match="baseline must be broadcastable"):
         losses.psi_reward_to_go_minus_baseline(torch.zeros(2, 3), torch.zeros(4), 0.9)
+
+
+def test_trajectory_importance_weight_is_the_product_of_ratios():
+    rng = np.random.default_rng(3)
+    new, old = torch.tensor(rng.normal(size=(3, 4))), torch.tensor(rng.normal(size=(3, 4)))
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    got = losses.trajectory_importance_weight(new, old, mask)
+    for i in range(3):
+        ratio = 1.0
+        for t in range(4):
+            if mask[i, t]:
+                ratio *= float(torch.exp(new[i, t]) / torch.exp(old[i, t]))
+        assert float(got[i]) == pytest.approx(ratio)
+    with pytest.raises(ValueError, match="old_logprobs must be a tensor of the shape"):
+        losses.trajectory_importance_weight(new, old[:, :2])
+
+
+def test_importance_weighting_recovers_an_on_policy_expectation():
+    # E_old[rho(tau) f(tau)] = E_new[f(tau)] on a 2-step bandit with exact enumeration.
+    p_new, p_old = torch.tensor([0.7, 0.3]), torch.tensor([0.4, 0.6])
+    f = torch.tensor([[1.0, 2.0], [3.0, -1.0]])  # f(a0, a1)
+    lhs = sum(p_new[a] * p_new[b] * f[a, b] for a in range(2) for b in range(2))
+    rhs = 0.0
+    for a in range(2):
+        for b in range(2):
+            lp_new = torch.log(torch.stack([p_new[a], p_new[b]]))[None]
+            lp_old = torch.log(torch.stack([p_old[a], p_old[b]]))[None]
+            rhs += p_old[a] * p_old[b] * losses.trajectory_importance_weight(lp_new, lp_old)[0] * f[a, b]
+    assert float(rhs) == pytest.approx(float(lhs))

@@ -68,6 +68,19 @@ def sample_episodes(mdp: tabular.TabularMDP, policy, n_episodes: int, rng: np.ra
     return EpisodeBatch(states, actions, rewards, mask)
 
 
+def softmax_score(theta, state: int, action: int) -> np.ndarray:
+    """``grad_theta log pi(action | state)`` for a tabular softmax, an ``(S, A)`` array.
+
+    ``log pi(a|s) = theta[s, a] - log sum_b exp(theta[s, b])``, so the derivative is
+    ``onehot(a) - pi(.|s)`` on row ``s`` and 0 on every other row.
+    """
+    theta = np.asarray(theta, dtype=float)
+    score = np.zeros_like(theta)
+    score[state] = -tabular.softmax_policy(theta[state:state + 1])[0]
+    score[state, action] += 1.0
+    return score
+
+
 def softmax_score_gradients(theta, batch: EpisodeBatch, psi) -> np.ndarray:
     """Per-episode estimates ``g_i = sum_t mask * Psi_{i,t} * grad_theta log pi(a_t | s_t)``, shape ``(N, S, A)``.
 
@@ -94,12 +107,11 @@ def mc_value_table(batch: EpisodeBatch, gamma: float, n_states: int) -> np.ndarr
     States never visited get 0. Fit it on episodes *other* than those it is used with, so that it
     does not depend on their actions and the baseline stays unbiased.
     """
+    from rlcourse.classic.baselines import mc_state_values
     from rlcourse.returns import reward_to_go
 
     G = reward_to_go(batch.rewards, gamma, mask=batch.mask)
-    total = np.bincount(batch.states[batch.mask], weights=G[batch.mask], minlength=n_states)
-    count = np.bincount(batch.states[batch.mask], minlength=n_states)
-    return np.divide(total, count, out=np.zeros(n_states), where=count > 0)
+    return mc_state_values(G, batch.states, batch.mask, n_states)
 
 
 def cosine_similarity(u, v) -> float:

@@ -15,7 +15,7 @@ Baselines (``baseline=``):
                          itself, which shrinks the expected gradient by about ``1/n_steps``
                          (lesson 03) - harmless in practice;
 * ``"moving_average"`` - ``b`` = an exponential moving average of earlier batches' means (so it is
-                         independent of this batch: unbiased);
+                         independent of this batch: unbiased; 0 for the first batch);
 * ``"value"``          - ``b = V_phi(s_t)``, a learned state value fitted to the reward-to-go
                          after each update (it is used *before* it sees this batch: unbiased).
 
@@ -33,6 +33,7 @@ import torch
 
 import rlcourse  # noqa: F401  (registers rlcourse/GridWorld-v0)
 from rlcourse import losses, returns
+from rlcourse.classic.baselines import batch_mean_baseline, moving_average_baselines
 from rlcourse.classic.policies import make_policy, make_value
 from rlcourse.runtime import seed_everything
 
@@ -154,7 +155,7 @@ def train_reinforce(env_id: str = "CartPole-v1", *, episodes: int = 1000, batch_
     value = make_value(envs.single_observation_space, hidden) if baseline == "value" else None
     opt = torch.optim.Adam(policy.parameters(), lr=lr)
     value_opt = torch.optim.Adam(value.parameters(), lr=value_lr) if value is not None else None
-    ema, ema_weight = 0.0, 0.0  # bias-corrected moving average: ema / ema_weight
+    batch_means = []  # the mean Psi of each past batch, for the moving-average baseline
     history = ReinforceHistory()
     start = time.perf_counter()
     obs, _ = envs.reset(seed=seed)
@@ -170,9 +171,9 @@ def train_reinforce(env_id: str = "CartPole-v1", *, episodes: int = 1000, batch_
         if baseline == "none":
             b = torch.zeros(())
         elif baseline == "batch_mean":
-            b = (weight * maskf).sum() / maskf.sum()
-        elif baseline == "moving_average":
-            b = torch.tensor(ema / ema_weight if ema_weight > 0 else 0.0)
+            b = batch_mean_baseline(weight, mask)
+        elif baseline == "moving_average":  # from earlier batches only (the appended 0 is unused)
+            b = torch.tensor(moving_average_baselines(batch_means + [0.0], ema_decay)[-1], dtype=torch.float32)
         else:
             with torch.no_grad():
                 b = value(obs_b)
@@ -195,8 +196,7 @@ def train_reinforce(env_id: str = "CartPole-v1", *, episodes: int = 1000, batch_
                 v_loss.backward()
                 value_opt.step()
             value_loss = float(v_loss.detach())
-        batch_mean = float((weight * maskf).sum() / maskf.sum())
-        ema, ema_weight = ema_decay * ema + (1 - ema_decay) * batch_mean, ema_decay * ema_weight + (1 - ema_decay)
+        batch_means.append(float(batch_mean_baseline(weight, mask)))
 
         ep_returns = rewards.sum(1).tolist()
         history.episode_returns += ep_returns

@@ -5,4 +5,6 @@ a notebook only needs ``from rlcourse.grading import check_discounted_return``.
 """
 from rlcourse.grading._core import CheckFailed
 from rlcourse.grading.lesson01 import *  # noqa: F401,F403
+from rlcourse.grading.lesson02 import *  # noqa: F401,F403
+from rlcourse.grading.lesson03 import *  # noqa: F401,F403
 from rlcourse.grading.lesson07 import *  # noqa: F401,F403
