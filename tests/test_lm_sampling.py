@@ -25,10 +25,15 @@ def model(tok):
     return make_model("tiny", tok, seed=0)
 
 
+ENGINES = ["auto", "hf"]  # the lean GPT-2 decoder, and the model's own forward with DynamicCache
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, None), (1.5, 5), (0.0, None)])
-def test_sampler_logprobs_equal_a_fresh_full_forward(model, tok, temperature, top_k):
+def test_sampler_logprobs_equal_a_fresh_full_forward(model, tok, temperature, top_k, engine):
     g = torch.Generator().manual_seed(1)
-    roll = sample(model, tok, PROMPTS, 12, temperature=temperature, top_k=top_k, generator=g)
+    roll = sample(model, tok, PROMPTS, 12, temperature=temperature, top_k=top_k, generator=g,
+                  engine=engine)
     # The oracle: one forward pass over [prompt | completion], no cache, recomputed log-probs.
     recomputed = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, roll.completion_mask,
                                    roll.prompt_mask, temperature=temperature or 1.0)
@@ -36,10 +41,11 @@ def test_sampler_logprobs_equal_a_fresh_full_forward(model, tok, temperature, to
     assert (roll.logprobs[roll.completion_mask == 0] == 0).all()
 
 
-def test_left_padding_does_not_change_logprobs(model, tok):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_left_padding_does_not_change_logprobs(model, tok, engine):
     """A prompt alone and the same prompt padded in a batch get the same completion log-probs."""
     g = torch.Generator().manual_seed(2)
-    roll = sample(model, tok, PROMPTS, 8, generator=g)
+    roll = sample(model, tok, PROMPTS, 8, generator=g, engine=engine)
     for i, prompt in enumerate(PROMPTS):
         alone_ids = tok([prompt], return_tensors="pt")["input_ids"]
         alone = sequence_logprobs(model, alone_ids, roll.completion_ids[i:i + 1],
@@ -60,11 +66,12 @@ def test_position_ids_matter(model, tok):
     assert torch.allclose(naive_lp[~padded], roll.logprobs[~padded], atol=1e-5)
 
 
-def test_nothing_after_eos_is_counted(model, tok):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_nothing_after_eos_is_counted(model, tok, engine):
     # An untrained model at a high temperature draws <eos> with probability ~1/81 per step:
     # over 20 steps some rows end early and others run to the limit.
     roll = sample(model, tok, PROMPTS * 16, 20, temperature=2.0,
-                  generator=torch.Generator().manual_seed(4))
+                  generator=torch.Generator().manual_seed(4), engine=engine)
     eos = roll.completion_ids == tok.eos_token_id
     ended = eos.any(1)
     assert ended.sum() >= 5 and (~ended).sum() >= 5          # both kinds of rows are present
@@ -80,17 +87,19 @@ def test_nothing_after_eos_is_counted(model, tok):
     assert torch.equal(roll.finished, ended)
 
 
-def test_seeded_sampler_is_deterministic(model, tok):
-    a = sample(model, tok, PROMPTS, 10, generator=torch.Generator().manual_seed(7))
-    b = sample(model, tok, PROMPTS, 10, generator=torch.Generator().manual_seed(7))
-    c = sample(model, tok, PROMPTS, 10, generator=torch.Generator().manual_seed(8))
+@pytest.mark.parametrize("engine", ENGINES)
+def test_seeded_sampler_is_deterministic(model, tok, engine):
+    a = sample(model, tok, PROMPTS, 10, generator=torch.Generator().manual_seed(7), engine=engine)
+    b = sample(model, tok, PROMPTS, 10, generator=torch.Generator().manual_seed(7), engine=engine)
+    c = sample(model, tok, PROMPTS, 10, generator=torch.Generator().manual_seed(8), engine=engine)
     assert torch.equal(a.completion_ids, b.completion_ids) and a.completions == b.completions
     assert torch.equal(a.logprobs, b.logprobs)
     assert not torch.equal(a.completion_ids, c.completion_ids)
 
 
-def test_greedy_matches_hf_generate(model, tok):
-    roll = sample(model, tok, PROMPTS, 10, temperature=0.0)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_greedy_matches_hf_generate(model, tok, engine):
+    roll = sample(model, tok, PROMPTS, 10, temperature=0.0, engine=engine)
     enc = tok(PROMPTS, padding=True, return_tensors="pt")
     out = model.generate(**enc, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id,
                          eos_token_id=tok.eos_token_id)
@@ -168,3 +177,26 @@ def test_logprob_shape_errors(model, tok):
         sequence_logprobs(model, ids, ids[:1], torch.ones(1, 3))
     with pytest.raises(ValueError, match="tokens must have shape"):
         token_logprobs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_both_engines_draw_the_same_tokens(model, tok):
+    """Same seed, same distribution: the lean decoder and the HF forward pick identical tokens."""
+    a = sample(model, tok, PROMPTS * 4, 15, generator=torch.Generator().manual_seed(11), engine="auto")
+    b = sample(model, tok, PROMPTS * 4, 15, generator=torch.Generator().manual_seed(11), engine="hf")
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_lean_decoder_is_used_only_where_exact(model, tok):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlcourse.lm import fast_gpt2
+    model.eval()
+    assert fast_gpt2.supports(model)
+    odd = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_layer=1, n_embd=32, n_head=2,
+                                     scale_attn_by_inverse_layer_idx=True)).eval()
+    assert not fast_gpt2.supports(odd)
+    # ...and the sampler still works on it, through the model's own forward.
+    roll = sample(odd, tok, PROMPTS, 4, generator=torch.Generator().manual_seed(0))
+    fresh = sequence_logprobs(odd, roll.prompt_ids, roll.completion_ids, roll.completion_mask, roll.prompt_mask)
+    assert torch.allclose(roll.logprobs, fresh, atol=1e-5)

@@ -11,6 +11,8 @@ How it works (the same loop as ``model.generate``, with the RL bookkeeping kept 
    start at the first real token, not at the first pad.
 3. One forward pass over the prompts fills the KV cache. Each later step feeds only the newly
    sampled token (B, 1) and reuses the cached keys and values: O(T) work per step, not O(T^2).
+   Plain GPT-2 models use a lean forward with a preallocated cache (:mod:`rlcourse.lm.fast_gpt2`);
+   any other causal LM uses its own forward and a ``transformers.DynamicCache``.
 4. The next token is drawn from ``softmax(logits / temperature)``, optionally restricted to the
    ``top_k`` largest logits. Its log-prob is read from the *untruncated* temperature-scaled
    distribution, which is what :func:`rlcourse.lm.logprobs.sequence_logprobs` recomputes.
@@ -25,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from rlcourse.lm import fast_gpt2
+from rlcourse.lm.fast_gpt2 import GPT2Decoder
 from rlcourse.lm.logprobs import position_ids_from_mask
 from rlcourse.lm.tokenizer import check_encodable
 
@@ -65,9 +69,32 @@ def encode_prompts(tokenizer, prompts: list[str], device=None) -> tuple[torch.Te
     """Left-padded ``(input_ids, attention_mask)`` for a list of prompt strings."""
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of strings, got {type(prompts).__name__}")
-    check_encodable(tokenizer, list(prompts), "prompts")
     enc = tokenizer(list(prompts), padding=True, padding_side="left", return_tensors="pt")
+    if tokenizer.unk_token_id is not None and bool((enc["input_ids"] == tokenizer.unk_token_id).any()):
+        check_encodable(tokenizer, list(prompts), "prompts")  # names the offending prompt
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+class _HFDecoder:
+    """Incremental decoding through the model's own forward and a ``DynamicCache`` (any causal LM)."""
+
+    def __init__(self, model, prompt_mask: torch.Tensor):
+        self.model, self.cache, self.attention_mask = model, DynamicCache(config=model.config), prompt_mask
+        self.next_position = None
+
+    def prefill(self, prompt_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=prompt_ids, attention_mask=self.attention_mask, position_ids=positions,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.next_position = positions[:, -1:] + 1
+        return out.logits[:, -1]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        # Feed only the new token; the cache holds every earlier key and value.
+        self.attention_mask = torch.cat([self.attention_mask, torch.ones_like(self.attention_mask[:, :1])], 1)
+        out = self.model(input_ids=tokens.unsqueeze(1), attention_mask=self.attention_mask,
+                         position_ids=self.next_position, past_key_values=self.cache, use_cache=True)
+        self.next_position = self.next_position + 1
+        return out.logits[:, -1]
 
 
 def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
@@ -89,13 +116,18 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-           top_k: int | None = None, generator: torch.Generator | None = None) -> Rollout:
+           top_k: int | None = None, generator: torch.Generator | None = None,
+           engine: str = "auto") -> Rollout:
     """Sample one completion per prompt, batched, with a KV cache. See the module docstring.
 
     ``temperature=0`` decodes greedily. ``generator`` (a ``torch.Generator`` on the model's
     device) makes the draw reproducible. The model is put in eval mode during the call and
-    returned to its previous mode.
+    returned to its previous mode. ``engine="auto"`` decodes plain GPT-2 models with the lean
+    static-cache forward of :mod:`rlcourse.lm.fast_gpt2` and anything else with the model's own
+    forward and a ``DynamicCache``; ``"hf"`` forces the latter.
     """
+    if engine not in ("auto", "hf"):
+        raise ValueError(f"engine must be 'auto' or 'hf', got {engine!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if temperature < 0:
@@ -120,16 +152,13 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
     was_training = model.training
     model.eval()
     try:
-        cache = DynamicCache(config=model.config)
-        attention_mask = prompt_mask
-        positions = position_ids_from_mask(prompt_mask)
-        out = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
-        next_position = positions[:, -1:] + 1
+        decoder = (GPT2Decoder(model, prompt_mask, max_new_tokens)
+                   if engine == "auto" and fast_gpt2.supports(model) else _HFDecoder(model, prompt_mask))
+        logits = decoder.prefill(prompt_ids, position_ids_from_mask(prompt_mask))
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
         tokens, logps, masks = [], [], []
         for step in range(max_new_tokens):
-            token, logp = _next_token(out.logits[:, -1].float(), temperature, top_k, generator)
+            token, logp = _next_token(logits.float(), temperature, top_k, generator)
             alive = ~finished
             token = torch.where(alive, token, torch.full_like(token, pad_id))
             tokens.append(token)
@@ -138,11 +167,7 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
             finished = finished | (token == eos_id)
             if step == max_new_tokens - 1 or bool(finished.all()):
                 break
-            # Feed only the new token; the cache holds every earlier key and value.
-            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-            out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask,
-                        position_ids=next_position, past_key_values=cache, use_cache=True)
-            next_position = next_position + 1
+            logits = decoder.step(token)
     finally:
         model.train(was_training)
 
