@@ -84,8 +84,12 @@ def test_softmax_policy_rows_and_stability():
         tabular.softmax_policy_gradient(MDPS["maze2x3"], np.zeros((6, 4)), 1.5)
 
 
-def per_episode_estimates(mdp, theta, gamma, n, seed, time_discount=True, baseline=None):
-    batch = sample_episodes(mdp, tabular.softmax_policy(theta), n, np.random.default_rng(seed))
+SLIPPERY = GridWorld("maze2x3", slip=0.2, step_reward=-1.0)
+
+
+def per_episode_estimates(mdp, theta, gamma, n, seed, time_discount=True, baseline=None, realized=False):
+    batch = sample_episodes(mdp, tabular.softmax_policy(theta), n, np.random.default_rng(seed),
+                            reward_table=SLIPPERY.reward_table if realized else None)
     psi = reward_to_go(batch.rewards, gamma, mask=batch.mask)
     if baseline is not None:
         psi = psi - baseline[batch.states]
@@ -107,8 +111,8 @@ def fixed_directions(exact, n_random=3, seed=7):
     return np.vstack([exact / np.linalg.norm(exact), rng.normal(size=(n_random, exact.size))])
 
 
-@pytest.mark.parametrize("use_baseline", [False, True])
-def test_mc_estimator_mean_within_3_standard_errors(use_baseline):
+@pytest.mark.parametrize("use_baseline, realized", [(False, False), (True, False), (False, True), (True, True)])
+def test_mc_estimator_mean_within_3_standard_errors(use_baseline, realized):
     # gamma^t G_t grad log pi is an unbiased estimate of grad J for the *discounted* objective;
     # truncation at the 200-step horizon adds at most 0.9^200 * 10 / 0.1 ~ 7e-8 of bias.
     # "Within 3 standard errors" is a test of a scalar, so we test scalar projections of the
@@ -118,7 +122,7 @@ def test_mc_estimator_mean_within_3_standard_errors(use_baseline):
     mdp, gamma = MDPS["maze2x3 slippery with step cost"], 0.9
     theta = np.random.default_rng(5).normal(scale=0.5, size=(mdp.n_states, mdp.n_actions))
     baseline = tabular.policy_evaluation(mdp, tabular.softmax_policy(theta), gamma) if use_baseline else None
-    g = per_episode_estimates(mdp, theta, gamma, 20_000, seed=6, baseline=baseline)
+    g = per_episode_estimates(mdp, theta, gamma, 20_000, seed=6, baseline=baseline, realized=realized)
     exact = tabular.softmax_policy_gradient(mdp, theta, gamma).ravel()
     assert np.abs(z_scores(g, exact, fixed_directions(exact))).max() < 3.0
     se = g.std(0, ddof=1) / np.sqrt(len(g))
@@ -135,3 +139,18 @@ def test_estimator_without_gamma_t_is_detectably_biased():
     g = per_episode_estimates(mdp, theta, gamma, 20_000, seed=6, time_discount=False)
     exact = tabular.softmax_policy_gradient(mdp, theta, gamma).ravel()
     assert np.abs(z_scores(g, exact, fixed_directions(exact))).max() > 10.0
+
+
+def test_realized_rewards_are_the_environments():
+    env = SLIPPERY
+    batch = sample_episodes(env.mdp, tabular.uniform_policy(env.mdp), 300, np.random.default_rng(8),
+                            reward_table=env.reward_table)
+    real = batch.rewards[batch.mask]
+    # every realized reward is one the env can pay (-1 per step, +9 into the goal, -11 into the trap)
+    assert set(np.unique(real)) <= {-1.0, 9.0, -11.0} and {-1.0, 9.0, -11.0} & set(np.unique(real))
+    # the last reward of an episode that ended in a terminal state is the goal's or the trap's
+    ended = batch.mask.sum(1) < batch.mask.shape[1]
+    last = batch.rewards[np.arange(len(batch)), batch.mask.sum(1) - 1]
+    assert np.all(np.isin(last[ended], [9.0, -11.0]))
+    with pytest.raises(ValueError, match="reward_table must have the shape of P"):
+        sample_episodes(env.mdp, tabular.uniform_policy(env.mdp), 3, np.random.default_rng(0), reward_table=np.zeros(3))

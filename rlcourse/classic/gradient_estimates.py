@@ -35,14 +35,23 @@ class EpisodeBatch:
 
 
 def sample_episodes(mdp: tabular.TabularMDP, policy, n_episodes: int, rng: np.random.Generator,
-                    horizon: int = 200) -> EpisodeBatch:
+                    horizon: int = 200, reward_table=None) -> EpisodeBatch:
     """Run ``n_episodes`` episodes of ``policy`` on ``mdp`` side by side, each for at most ``horizon`` steps.
 
     An episode ends when it enters a terminal state. Truncating at ``horizon`` biases a discounted
     estimate by at most ``gamma^horizon * max|r| / (1 - gamma)``: negligible for the defaults here
     (0.9^200 ~ 7e-10).
+
+    ``reward_table[s, a, s']`` (e.g. ``GridWorld.reward_table``) gives the reward actually received
+    on each transition, as the environment would pay it. Without it each step records the
+    expected reward ``R[s, a]``: also an unbiased choice for every estimator here (a reward's
+    noise given ``(s, a)`` is independent of the earlier actions), with slightly less variance.
     """
     policy = tabular._check_policy(mdp, policy)
+    if reward_table is not None:
+        reward_table = np.asarray(reward_table, dtype=float)
+        if reward_table.shape != mdp.P.shape:
+            raise ValueError(f"reward_table must have the shape of P {mdp.P.shape}, got {reward_table.shape}")
     if n_episodes < 1:
         raise ValueError(f"n_episodes must be >= 1, got {n_episodes}")
     if horizon < 1:
@@ -62,7 +71,8 @@ def sample_episodes(mdp: tabular.TabularMDP, policy, n_episodes: int, rng: np.ra
         a = np.minimum((rng.random(n_episodes)[:, None] > cum_policy[s]).sum(1), mdp.n_actions - 1)
         s_next = np.minimum((rng.random(n_episodes)[:, None] > cum_P[s, a]).sum(1), S - 1)
         states[:, t], actions[:, t], mask[:, t] = s, a, alive
-        rewards[:, t] = np.where(alive, mdp.R[s, a], 0.0)  # R[s, a] is the expected reward
+        r = mdp.R[s, a] if reward_table is None else reward_table[s, a, s_next]
+        rewards[:, t] = np.where(alive, r, 0.0)
         s = np.where(alive, s_next, s)
         alive = alive & ~mdp.terminal[s]
     return EpisodeBatch(states, actions, rewards, mask)
