@@ -93,7 +93,8 @@ def _sequence_cases(seed: int = 71):
     from rlcourse.lm.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer("0123456789+=:")
-    model = make_model("tiny", tokenizer, seed=seed, initializer_range=0.3)
+    with torch.random.fork_rng(devices=[]):       # leave the learner's global RNG untouched
+        model = make_model("tiny", tokenizer, seed=seed, initializer_range=0.3)
     gen = torch.Generator().manual_seed(seed)
     chars = "0123456789+="
     cases = []
