@@ -51,8 +51,9 @@ class GPT2Decoder:
         self.total = prompt_len + max_new_tokens
         p = next(model.parameters())
         shape = (batch, self.n_head, self.total, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.n_layer)]
-        self.values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.n_layer)]
+        # Every column is written before it is read (reads stop at the current length): no zeroing.
+        self.keys = [torch.empty(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.n_layer)]
+        self.values = [torch.empty(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.n_layer)]
         # Which key columns are real tokens: the prompt's mask, then every generated column.
         valid = torch.ones(batch, self.total, dtype=torch.bool, device=p.device)
         valid[:, :prompt_len] = prompt_mask.bool()

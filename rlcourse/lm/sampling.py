@@ -50,6 +50,7 @@ class Rollout:
     logprobs: torch.Tensor         # (B, T) float
     completions: list[str] = field(default_factory=list)  # decoded, special tokens removed
     prompts: list[str] = field(default_factory=list)
+    eos_token_id: int = -1         # the tokenizer's <eos>, for :attr:`finished`
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -59,10 +60,8 @@ class Rollout:
     @property
     def finished(self) -> torch.Tensor:
         """(B,) bool: the row produced ``<eos>`` (False when it was cut at ``max_new_tokens``)."""
-        eos = (self.completion_ids == self._eos_id) & self.completion_mask.bool()
+        eos = (self.completion_ids == self.eos_token_id) & self.completion_mask.bool()
         return eos.any(dim=1)
-
-    _eos_id: int = -1
 
 
 def encode_prompts(tokenizer, prompts: list[str], device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,4 +176,4 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
                                    skip_special_tokens=True)
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                    completion_mask=completion_mask, logprobs=torch.stack(logps, dim=1),
-                   completions=texts, prompts=list(prompts), _eos_id=eos_id)
+                   completions=texts, prompts=list(prompts), eos_token_id=eos_id)
