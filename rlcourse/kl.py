@@ -13,7 +13,7 @@ estimate it from the tokens they sampled, with one number per token. With
 
 John Schulman's three estimators ("Approximating KL divergence", 2020) are
 
-    k1 = -log r                 unbiased, high variance, negative for about half the samples
+    k1 = -log r                 unbiased, high variance, often negative
     k2 = 1/2 (log r)^2          biased, low variance, always >= 0
     k3 = (r - 1) - log r        unbiased, lower variance than k1 when pi_ref is close, always >= 0
 
@@ -47,7 +47,7 @@ def kl_k1(logp, logq) -> torch.Tensor:
 
     Unbiased: ``E_{x~pi_theta}[k1] = KL(pi_theta || pi_ref)`` by the definition of KL.
     Variance: ``Var[log r]``, which does not shrink relative to the KL as the two policies get
-    close; about half the samples are negative even though the KL never is. This is the
+    close; many samples are negative even though the KL never is. This is the
     log-ratio that PPO-RLHF subtracts from the reward at each token.
     """
     logp, logq = _pair(logp, logq)
