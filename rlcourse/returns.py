@@ -99,8 +99,10 @@ def discount_weights(mask, gamma: float):
     if hasattr(mask, "detach"):
         import torch
 
-        powers = gamma ** torch.arange(mask.shape[1], dtype=torch.float64, device=mask.device)
-        return powers.to(torch.get_default_dtype())[None, :] * mask.to(torch.get_default_dtype())
+        # Powers in NumPy float64, then the default dtype (MPS has no float64).
+        powers = torch.as_tensor(gamma ** np.arange(mask.shape[1], dtype=float), dtype=torch.get_default_dtype(),
+                                 device=mask.device)
+        return powers[None, :] * mask.to(torch.get_default_dtype())
     return gamma ** np.arange(mask.shape[1], dtype=float)[None, :] * np.asarray(mask, dtype=float)
 
 

@@ -72,3 +72,49 @@ def next_token_explorer(model, tokenizer, prompt: str, temperature: float = 1.0,
     return widgets.interactive(
         show, temperature=widgets.FloatLogSlider(value=temperature, base=10, min=-1, max=0.5, step=0.02,
                                                  description="T"))
+
+
+def importance_weight_explorer(mdp, theta, batch, gamma: float, max_delta: float = 6.0):
+    """A slider for how far a new policy moves from the one that sampled ``batch`` (lesson 03).
+
+    The new logits are ``theta + delta * u`` with ``u`` the unit exact-gradient direction. Shows the
+    histogram of the trajectory importance weights ``rho`` (log scale), the effective sample size
+    ``(sum rho)^2 / sum rho^2`` and how far the reweighted gradient estimate lands from the exact
+    gradient at the new policy. Near ``delta = 0`` old episodes are as good as new ones; far away
+    a handful of episodes carry all the weight.
+    """
+    import numpy as np
+    import torch
+
+    from rlcourse import losses
+    from rlcourse.classic import gradient_estimates as ge
+    from rlcourse.returns import episode_returns
+
+    theta = np.asarray(theta, dtype=float)
+    direction = tabular.softmax_policy_gradient(mdp, theta, gamma)
+    direction = direction / np.linalg.norm(direction)
+    states, actions = torch.as_tensor(batch.states), torch.as_tensor(batch.actions)
+    mask = torch.as_tensor(batch.mask)
+    psi = episode_returns(batch.rewards, gamma, mask=batch.mask)[:, None]
+
+    def logprobs(th):
+        return torch.log_softmax(torch.as_tensor(th)[states], -1).gather(-1, actions[..., None]).squeeze(-1)
+
+    old = logprobs(theta)
+
+    def show(delta: float):
+        theta_new = theta + delta * direction
+        rho = losses.trajectory_importance_weight(logprobs(theta_new), old, mask).numpy()
+        ess = rho.sum() ** 2 / (rho ** 2).sum() / len(rho)
+        g = (ge.softmax_score_gradients(theta_new, batch, psi) * rho[:, None, None]).mean(0)
+        error = ge.relative_error(g, tabular.softmax_policy_gradient(mdp, theta_new, gamma))
+        fig, ax = plt.subplots(figsize=(6, 3))
+        ax.hist(np.log10(rho), bins=60, color="tab:purple")
+        ax.set_xlabel(r"$\log_{10} \rho(\tau)$")
+        ax.set_ylabel("episodes")
+        ax.set_title(f"δ = {delta:.2f}: effective sample size {100 * ess:.1f}% · "
+                     f"IS gradient off by {100 * error:.1f}%", fontsize=10)
+        plt.show()
+
+    return widgets.interactive(show, delta=widgets.FloatSlider(value=1.0, min=0.0, max=max_delta, step=0.25,
+                                                               description="δ"))

@@ -75,26 +75,28 @@ class ReinforceResult:
     history: ReinforceHistory
 
 
-def collect_episodes(envs: gym.vector.VectorEnv, policy: torch.nn.Module, obs, max_steps: int):
+def collect_episodes(envs: gym.vector.VectorEnv, policy: torch.nn.Module, obs, max_steps: int,
+                     device: torch.device | str = "cpu"):
     """Run every sub-env of ``envs`` until its current episode ends; return padded ``(K, T)`` tensors.
 
     Sub-envs that finish early keep stepping (a vector env steps all at once) but their steps are
     masked out: the vector env auto-resets them, and that next episode is not ours. Returns
-    ``obs (K, T, ...)``, ``actions``, ``rewards``, ``mask`` and the observation to continue from.
+    ``obs (K, T, ...)``, ``actions``, ``rewards``, ``mask`` (on ``device``) and the observation
+    to continue from.
     """
     K = envs.num_envs
     alive = np.ones(K, dtype=bool)
     obs_list, act_list, rew_list, mask_list = [], [], [], []
     for _ in range(max_steps):
-        obs_t = torch.as_tensor(obs)
+        obs_t = torch.as_tensor(obs, device=device)
         with torch.no_grad():  # acting needs no graph; log-probs are recomputed in one batch later
             probs = torch.softmax(policy(obs_t), dim=-1)
         actions = torch.multinomial(probs, 1).squeeze(-1)
-        obs, reward, terminated, truncated, _ = envs.step(actions.numpy())
+        obs, reward, terminated, truncated, _ = envs.step(actions.cpu().numpy())
         obs_list.append(obs_t)
         act_list.append(actions)
-        rew_list.append(torch.as_tensor(np.where(alive, reward, 0.0), dtype=torch.float32))
-        mask_list.append(torch.as_tensor(alive))
+        rew_list.append(torch.as_tensor(np.where(alive, reward, 0.0), dtype=torch.float32, device=device))
+        mask_list.append(torch.as_tensor(alive, device=device))
         alive = alive & ~(terminated | truncated)
         if not alive.any():
             break
@@ -113,7 +115,8 @@ def train_reinforce(env_id: str = "CartPole-v1", *, episodes: int = 1000, batch_
                     ema_decay: float = 0.9, whiten: bool = False, time_discount: bool = False,
                     hidden: int = 64, max_steps: int = 1000, env_kwargs: dict | None = None,
                     target_return: float | None = None, target_window: int = 20,
-                    seed: int = 0, progress: bool = True, on_update=None) -> ReinforceResult:
+                    seed: int = 0, progress: bool = True, on_update=None,
+                    device: torch.device | str = "cpu") -> ReinforceResult:
     """Train a softmax policy with REINFORCE; stop after ``episodes`` episodes (or at ``target_return``).
 
     Args:
@@ -133,6 +136,9 @@ def train_reinforce(env_id: str = "CartPole-v1", *, episodes: int = 1000, batch_
         progress: show a tqdm progress bar.
         on_update: called as ``on_update(policy, history)`` after every update (e.g. to record the
             exact J(theta) of a tabular policy).
+        device: where the networks live. The CPU is the default because these networks are tiny
+            and every step crosses to the environment on the CPU anyway; ``runtime.device()``
+            picks an accelerator.
     """
     if psi not in PSI_KINDS:
         raise ValueError(f"psi must be one of {PSI_KINDS}, got {psi!r}")
@@ -151,8 +157,8 @@ def train_reinforce(env_id: str = "CartPole-v1", *, episodes: int = 1000, batch_
 
     seed_everything(seed)
     envs = make_envs(env_id, batch_episodes, env_kwargs)
-    policy = make_policy(envs.single_observation_space, envs.single_action_space, hidden)
-    value = make_value(envs.single_observation_space, hidden) if baseline == "value" else None
+    policy = make_policy(envs.single_observation_space, envs.single_action_space, hidden).to(device)
+    value = make_value(envs.single_observation_space, hidden).to(device) if baseline == "value" else None
     opt = torch.optim.Adam(policy.parameters(), lr=lr)
     value_opt = torch.optim.Adam(value.parameters(), lr=value_lr) if value is not None else None
     batch_means = []  # the mean Psi of each past batch, for the moving-average baseline
@@ -161,7 +167,7 @@ def train_reinforce(env_id: str = "CartPole-v1", *, episodes: int = 1000, batch_
     obs, _ = envs.reset(seed=seed)
     bar = tqdm(total=episodes, desc=f"REINFORCE {env_id}", disable=not progress, unit="ep")
     while len(history.episode_returns) < episodes:
-        obs_b, actions, rewards, mask, obs = collect_episodes(envs, policy, obs, max_steps)
+        obs_b, actions, rewards, mask, obs = collect_episodes(envs, policy, obs, max_steps, device)
         obs, _ = envs.reset()  # every sub-env starts a fresh episode for the next batch
         maskf = mask.float()
 
@@ -169,11 +175,11 @@ def train_reinforce(env_id: str = "CartPole-v1", *, episodes: int = 1000, batch_
         G = returns.reward_to_go(rewards, gamma, mask=mask)
         weight = G if psi == "reward_to_go" else losses.psi_total_return(rewards, gamma, mask) * maskf
         if baseline == "none":
-            b = torch.zeros(())
+            b = torch.zeros((), device=device)
         elif baseline == "batch_mean":
             b = batch_mean_baseline(weight, mask)
         elif baseline == "moving_average":  # from earlier batches only (the appended 0 is unused)
-            b = torch.tensor(moving_average_baselines(batch_means + [0.0], ema_decay)[-1], dtype=torch.float32)
+            b = torch.tensor(float(moving_average_baselines(batch_means + [0.0], ema_decay)[-1]), device=device)
         else:
             with torch.no_grad():
                 b = value(obs_b)
