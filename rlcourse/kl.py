@@ -115,8 +115,10 @@ def exact_kl(logp_full, logq_full, dim: int = -1) -> torch.Tensor:
         raise ValueError(f"logp_full and logq_full must have the same shape, "
                          f"got {tuple(logp_full.shape)} and {tuple(logq_full.shape)}")
     p = logp_full.exp()
-    terms = torch.where(p > 0, p * (logp_full - logq_full), torch.zeros_like(p))
-    return terms.sum(dim)
+    # Zero the log-ratio where p = 0 *before* multiplying: 0 * (-inf) would be nan in the
+    # forward pass, and in the backward pass even when torch.where hides it.
+    log_ratio = torch.where(p > 0, logp_full - logq_full, torch.zeros_like(p))
+    return (p * log_ratio).sum(dim)
 
 
 def entropy(logp_full, dim: int = -1) -> torch.Tensor:
@@ -127,4 +129,4 @@ def entropy(logp_full, dim: int = -1) -> torch.Tensor:
     """
     logp_full = _log_distribution("logp_full", logp_full, dim)
     p = logp_full.exp()
-    return -torch.where(p > 0, p * logp_full, torch.zeros_like(p)).sum(dim)
+    return -(p * torch.where(p > 0, logp_full, torch.zeros_like(p))).sum(dim)   # 0 log 0 = 0

@@ -142,6 +142,21 @@ def test_exact_kl_and_entropy_edge_cases():
     assert exact_kl(logq, logq).item() == 0.0
 
 
+def test_gradients_stay_finite_when_some_tokens_are_impossible():
+    # Top-k sampling or a masked vocabulary gives log-probs of -inf; 0 * log 0 must not poison grads.
+    logits = torch.tensor([[2.0, 0.5, -float("inf"), 0.0]], requires_grad=True)
+    logq = torch.log_softmax(torch.tensor([[0.3, 0.2, 0.1, 0.0]]), -1)
+    logp = torch.log_softmax(logits, -1)
+    (g_kl,) = torch.autograd.grad(exact_kl(logp, logq).sum(), logits)
+    (g_h,) = torch.autograd.grad(entropy(torch.log_softmax(logits, -1)).sum(), logits)
+    assert torch.isfinite(g_kl[:, [0, 1, 3]]).all() and torch.isfinite(g_h[:, [0, 1, 3]]).all()
+    # ... and they are the gradients of the same quantities over the three possible tokens.
+    finite = logits.detach()[:, [0, 1, 3]].clone().requires_grad_(True)
+    logp3 = torch.log_softmax(finite, -1)
+    (expected,) = torch.autograd.grad((logp3.exp() * (logp3 - logq[:, [0, 1, 3]])).sum(), finite)
+    torch.testing.assert_close(g_kl[:, [0, 1, 3]], expected)
+
+
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="same shape"):
         kl_k3(torch.zeros(3), torch.zeros(4))
