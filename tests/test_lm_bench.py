@@ -1,0 +1,23 @@
+"""The two LM benchmarks run end to end and report their numbers (speed itself is never asserted)."""
+import rlcourse  # noqa: F401  (before torch)
+import re
+
+from rlcourse.bench import rl_smoke, sampling
+
+
+def test_sampling_benchmark_reports_three_rates_and_the_logprob_check(capsys):
+    code = sampling.main(["--repeats", "1", "--batch", "8", "--new", "4", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert code in (0, 1)
+    assert len(re.findall(r"tokens/s", out)) == 3
+    diff = float(re.search(r"max \|diff\| ([0-9.e+-]+)", out).group(1))
+    assert diff <= 1e-5
+
+
+def test_rl_smoke_reports_before_after_and_time(capsys):
+    code = rl_smoke.main(["--steps", "2", "--batch", "16", "--threads", "1"])
+    out = capsys.readouterr().out
+    before = float(re.search(r"before ([0-9.]+)%", out).group(1))
+    assert 20 <= before <= 60                                 # the shipped partial checkpoint
+    assert "REINFORCE: 2 steps x 16 samples" in out
+    assert code == 1                                          # two steps cannot reach +20 points
