@@ -74,6 +74,7 @@ def next_token_explorer(model, tokenizer, prompt: str, temperature: float = 1.0,
                                                  description="T"))
 
 
+# >>> policy-gradient explorers (lessons 02-03)
 def importance_weight_explorer(mdp, theta, batch, gamma: float, max_delta: float = 6.0):
     """A slider for how far a new policy moves from the one that sampled ``batch`` (lesson 03).
 
@@ -118,3 +119,41 @@ def importance_weight_explorer(mdp, theta, batch, gamma: float, max_delta: float
 
     return widgets.interactive(show, delta=widgets.FloatSlider(value=1.0, min=0.0, max=max_delta, step=0.25,
                                                                description="δ"))
+
+def gradient_estimate_explorer(g_per_episode, exact, n_max: int | None = None, seed: int = 0):
+    """A slider for the number of episodes N behind a Monte-Carlo policy gradient (lesson 02).
+
+    ``g_per_episode`` holds one gradient estimate per episode (``(n, S, A)`` or ``(n, d)``) and
+    ``exact`` the true gradient. For each N the plot shows the average of N randomly chosen
+    episodes' estimates next to the exact gradient, entry by entry, with the relative error and
+    the cosine similarity in the title. Small N: the bars jump around; large N: they settle on
+    the exact ones, at a rate of 1/sqrt(N).
+    """
+    import numpy as np
+
+    from rlcourse.classic.gradient_estimates import cosine_similarity, relative_error
+
+    g = np.asarray(g_per_episode, dtype=float).reshape(len(g_per_episode), -1)
+    exact = np.asarray(exact, dtype=float).ravel()
+    live = np.flatnonzero(np.abs(exact) > 0)  # skip entries that are exactly 0 (terminal states)
+    order = np.random.default_rng(seed).permutation(len(g))
+    n_max = n_max or len(g)
+
+    def show(log2_n: int):
+        n = min(2 ** log2_n, n_max)
+        estimate = g[order[:n]].mean(0)
+        fig, ax = plt.subplots(figsize=(8, 3))
+        x = np.arange(len(live))
+        ax.bar(x - 0.2, exact[live], width=0.4, label="exact", color="k")
+        ax.bar(x + 0.2, estimate[live], width=0.4, label=f"mean of {n} episodes", color="tab:orange")
+        ax.set_xlabel("entry (s, a) of the gradient")
+        ax.set_xticks([])
+        ax.legend(fontsize=8)
+        ax.set_title(f"N = {n}: relative error {relative_error(estimate, exact):.2f}, "
+                     f"cosine {cosine_similarity(estimate, exact):.3f}", fontsize=10)
+        plt.show()
+
+    top = int(np.log2(n_max))
+    return widgets.interactive(show, log2_n=widgets.IntSlider(value=min(6, top), min=0, max=top,
+                                                              description="log2 N"))
+# <<< policy-gradient explorers (lessons 02-03)

@@ -18,3 +18,16 @@ def test_importance_weight_explorer_redraws(monkeypatch):
     for delta in (0.0, 2.5):
         w.children[0].value = delta  # moving the slider re-runs the plot
     assert w.children[0].description == "δ"
+
+
+def test_gradient_estimate_explorer_redraws(monkeypatch):
+    import matplotlib.pyplot as plt
+    monkeypatch.setattr(plt, "show", lambda: plt.close("all"))
+    rng = np.random.default_rng(0)
+    exact = rng.normal(size=(3, 2))
+    exact[0] = 0.0  # a terminal state's row: skipped in the bars
+    g = exact[None] + rng.normal(size=(256, 3, 2))
+    w = widgets.gradient_estimate_explorer(g, exact)
+    assert w.children[0].max == 8 and w.children[0].value == 6
+    for value in (0, 8):
+        w.children[0].value = value

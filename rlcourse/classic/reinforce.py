@@ -197,7 +197,7 @@ def train_reinforce(env_id: str = "CartPole-v1", *, episodes: int = 1000, batch_
         value_loss = float("nan")
         if value is not None:  # fit V(s_t) to the reward-to-go *after* using it as this batch's baseline
             for _ in range(value_steps):
-                v_loss = (((value(obs_b) - G) ** 2) * maskf).sum() / maskf.sum()
+                v_loss = losses.value_loss(value(obs_b), G, mask=mask)  # 1/2 masked MSE to G_t
                 value_opt.zero_grad()
                 v_loss.backward()
                 value_opt.step()
