@@ -7,7 +7,7 @@ from rlcourse.lm.checkpoints import (available_checkpoints, checkpoint_info, loa
                                      save_checkpoint)
 from rlcourse.lm.sampling import sample
 from rlcourse.lm.sft import exact_match
-from rlcourse.lm.tasks import AdditionTask, DigitSumTask
+from rlcourse.lm.tasks import AdditionTask, DigitSumTask, PreferenceTask
 from rlcourse.lm.train import RECIPES, train_recipe
 
 
@@ -49,6 +49,19 @@ def test_digitsum_sft_does_not_beat_its_demonstrations():
     roll = sample(model, tok, prompts, task.max_new_tokens, generator=torch.Generator().manual_seed(0))
     # It learned the format: four digits then <eos>.
     assert sum(len(c) == 4 and c.isdigit() for c in roll.completions) / len(prompts) > 0.9
+
+
+def test_preference_base_policy_writes_like_the_reference():
+    """preference-sft imitates random words: valid words, gold score like the reference data's."""
+    model, tok = load_checkpoint("preference-sft", device="cpu")
+    task = PreferenceTask()
+    prompts = task.test_prompts(512)
+    roll = sample(model, tok, prompts, task.max_new_tokens, generator=torch.Generator().manual_seed(0))
+    gold = task.reward(prompts, roll.completions)
+    reference = task.reward(prompts, [task.reference_completion(i) for i in range(len(prompts))])
+    assert (gold > -1).float().mean() > 0.97                 # letters a-h, 1 to 7 of them
+    assert abs(gold.mean() - reference.mean()) < 0.05        # no preference learned yet
+    assert len({len(c) for c in roll.completions}) == task.max_length
 
 
 def test_unknown_checkpoint_is_named():
