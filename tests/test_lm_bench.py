@@ -21,3 +21,12 @@ def test_rl_smoke_reports_before_after_and_time(capsys):
     assert 20 <= before <= 60                                 # the shipped partial checkpoint
     assert "REINFORCE: 2 steps x 16 samples" in out
     assert code == 1                                          # two steps cannot reach +20 points
+
+
+def test_rl_smoke_digitsum_reports_validity_and_diversity(capsys):
+    code = rl_smoke.main(["--task", "digitsum", "--steps", "1", "--batch", "16", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "valid, sampled at T=1" in out and "distinct valid / prompt" in out
+    sampled_before = float(re.search(r"sampled at T=1\s+before ([0-9.]+)%", out).group(1))
+    assert 10 <= sampled_before <= 55                         # imitation stays under its teachers
+    assert code == 1
