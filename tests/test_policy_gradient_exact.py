@@ -154,3 +154,10 @@ def test_realized_rewards_are_the_environments():
     assert np.all(np.isin(last[ended], [9.0, -11.0]))
     with pytest.raises(ValueError, match="reward_table must have the shape of P"):
         sample_episodes(env.mdp, tabular.uniform_policy(env.mdp), 3, np.random.default_rng(0), reward_table=np.zeros(3))
+
+
+def test_score_gradients_reject_a_theta_of_the_wrong_size():
+    mdp = MDPS["maze2x3"]
+    batch = sample_episodes(mdp, tabular.uniform_policy(mdp), 5, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="has no row or column"):
+        softmax_score_gradients(np.zeros((2, 4)), batch, 1.0)

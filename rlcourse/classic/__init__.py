@@ -1,7 +1,13 @@
 """Classic policy-gradient algorithms on small gymnasium environments.
 
+Lessons 02-03 (REINFORCE and variance reduction):
+
 * :mod:`~rlcourse.classic.gradient_estimates` - per-episode Monte-Carlo gradients of a tabular
-  softmax policy, to compare with the exact gradient of :mod:`rlcourse.tabular`;
-* :mod:`~rlcourse.classic.policies` - a tabular softmax policy and a small MLP, with value baselines;
+  softmax policy, to set against the exact gradient of :mod:`rlcourse.tabular`;
+* :mod:`~rlcourse.classic.baselines` - batch-mean, moving-average and Monte-Carlo state-value baselines;
+* :mod:`~rlcourse.classic.policies` - a tabular softmax policy and a small MLP, with value networks;
 * :mod:`~rlcourse.classic.reinforce` - the REINFORCE trainer with four baselines.
+
+Lessons 04-06 build on them: :mod:`~rlcourse.classic.gae_gridworld`,
+:mod:`~rlcourse.classic.actor_critic`, :mod:`~rlcourse.classic.trpo` and :mod:`~rlcourse.classic.ppo`.
 """

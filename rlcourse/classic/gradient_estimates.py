@@ -44,8 +44,9 @@ def sample_episodes(mdp: tabular.TabularMDP, policy, n_episodes: int, rng: np.ra
 
     ``reward_table[s, a, s']`` (e.g. ``GridWorld.reward_table``) gives the reward actually received
     on each transition, as the environment would pay it. Without it each step records the
-    expected reward ``R[s, a]``: also an unbiased choice for every estimator here (a reward's
-    noise given ``(s, a)`` is independent of the earlier actions), with slightly less variance.
+    expected reward ``R[s, a]``: also unbiased for every estimator here (the noise
+    ``r_t - R[s_t, a_t]`` has mean zero given everything up to ``a_t``, so it only multiplies
+    scores with which it averages out), with slightly less variance.
     """
     policy = tabular._check_policy(mdp, policy)
     if reward_table is not None:
@@ -102,6 +103,9 @@ def softmax_score_gradients(theta, batch: EpisodeBatch, psi) -> np.ndarray:
     theta = np.asarray(theta, dtype=float)
     pi = tabular.softmax_policy(theta)
     N, T = batch.states.shape
+    if N and T and (batch.states.max() >= theta.shape[0] or batch.actions.max() >= theta.shape[1]):
+        raise ValueError(f"theta of shape {theta.shape} has no row or column for some of the batch's "
+                         f"states (max {batch.states.max()}) or actions (max {batch.actions.max()})")
     psi = np.broadcast_to(np.asarray(psi, dtype=float), (N, T)) * batch.mask
     rows = np.broadcast_to(np.arange(N)[:, None], (N, T))
     grads = np.zeros((N,) + theta.shape)
@@ -109,19 +113,6 @@ def softmax_score_gradients(theta, batch: EpisodeBatch, psi) -> np.ndarray:
     weight_per_state = np.zeros((N, theta.shape[0]))
     np.add.at(weight_per_state, (rows, batch.states), psi)
     return grads - weight_per_state[:, :, None] * pi[None]
-
-
-def mc_value_table(batch: EpisodeBatch, gamma: float, n_states: int) -> np.ndarray:
-    """A baseline learned from data: the average reward-to-go observed in each state (every visit).
-
-    States never visited get 0. Fit it on episodes *other* than those it is used with, so that it
-    does not depend on their actions and the baseline stays unbiased.
-    """
-    from rlcourse.classic.baselines import mc_state_values
-    from rlcourse.returns import reward_to_go
-
-    G = reward_to_go(batch.rewards, gamma, mask=batch.mask)
-    return mc_state_values(G, batch.states, batch.mask, n_states)
 
 
 def cosine_similarity(u, v) -> float:
