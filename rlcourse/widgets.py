@@ -157,3 +157,51 @@ def gradient_estimate_explorer(g_per_episode, exact, n_max: int | None = None, s
     return widgets.interactive(show, log2_n=widgets.IntSlider(value=min(6, top), min=0, max=top,
                                                               description="log2 N"))
 # <<< policy-gradient explorers (lessons 02-03)
+
+
+def kl_estimator_explorer(logits, tokens, mask, t_ref: float = 1.5):
+    """A slider for the reference's temperature: histograms of k1, k2 and k3 against the exact KL.
+
+    ``logits`` (B, T, V) are the policy's logits at the positions of ``tokens`` (B, T), which were
+    sampled from ``softmax(logits)``; ``mask`` (B, T) marks the real tokens. The reference is the
+    same model at temperature ``T_ref``. Each panel shows one estimator's per-token values, the
+    exact KL (mean of ``KL_t`` over the visited states) and the estimator's sample mean. Push
+    ``T_ref`` above 1 and watch k3's tail stretch to the right while k1 stays put.
+    """
+    import numpy as np
+    import torch
+
+    from rlcourse import kl
+
+    logits = logits.detach().float().cpu()
+    tokens, keep = tokens.cpu(), mask.cpu().bool()
+    if logits.shape[:2] != tokens.shape or tokens.shape != keep.shape:
+        raise ValueError(f"logits (B, T, V), tokens and mask (B, T) must agree, got "
+                         f"{tuple(logits.shape)}, {tuple(tokens.shape)}, {tuple(keep.shape)}")
+    logp_full = torch.log_softmax(logits, -1)
+    logp = logp_full.gather(-1, tokens.unsqueeze(-1))[..., 0]
+
+    def show(t_ref: float):
+        logq_full = torch.log_softmax(logits / t_ref, -1)
+        logq = logq_full.gather(-1, tokens.unsqueeze(-1))[..., 0]
+        exact = kl.exact_kl(logp_full, logq_full)[keep]
+        fig, axes = plt.subplots(1, 3, figsize=(11, 3), sharey=True)
+        for ax, (name, estimator) in zip(axes, kl.KL_ESTIMATORS.items()):
+            values = estimator(logp, logq)[keep]
+            errors = values - exact
+            stderr = errors.std().item() / np.sqrt(len(errors))
+            ax.hist(values.numpy(), bins=50, color="#4c72b0")
+            ax.axvline(exact.mean().item(), color="k", linestyle="--", label="exact KL")
+            ax.axvline(values.mean().item(), color="#dd8452", label=f"mean of {name}")
+            ax.set_yscale("log")
+            ax.set_title(f"{name}: mean − KL = {errors.mean().item():+.4f} ± {stderr:.4f}", fontsize=9)
+            ax.set_xlabel("per-token estimate (nats)")
+        axes[0].set_ylabel("tokens")
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"reference = policy at T_ref = {t_ref:.2f}: exact KL per token "
+                     f"{exact.mean().item():.4f}", fontsize=10, y=1.06)
+        plt.show()
+
+    return widgets.interactive(
+        show, t_ref=widgets.FloatLogSlider(value=t_ref, base=10, min=-0.4, max=0.5, step=0.02,
+                                           description="T_ref"))
