@@ -16,7 +16,7 @@ The three tasks:
 * :class:`PreferenceTask` - a hidden "gold" score; noisy Bradley-Terry comparisons of pairs make
   the ``{"prompt", "chosen", "rejected"}`` data that a reward model or DPO learns from.
 * :class:`DigitSumTask` - ``"S=07:"`` -> K digits summing to S. Many answers are right, and the
-  demonstrations are noisy (a fixed fraction is wrong), so imitation plateaus at the
+  demonstrations are noisy (a fixed fraction is wrong), so imitation can at best reproduce the
   demonstrators' quality while a verifier's reward lets RL go past it.
 """
 from __future__ import annotations
@@ -77,12 +77,12 @@ class AdditionTask:
     def test_prompts(self, n: int = 500) -> list[str]:
         """A fixed list of ``n`` held-out prompts, the same on every call and machine.
 
-        Up to 3 digits the held-out pairs are enumerated, shuffled once and taken in order
+        Up to 2 digits the held-out pairs are enumerated, shuffled once and taken in order
         (cycling if ``n`` exceeds them); beyond that they are drawn from a fixed seed.
         """
         _check_count(n)
         rng = np.random.default_rng(12345)
-        if self.n_digits > 3:
+        if self.n_digits > 2:
             return self._draw(n, rng, test=True)
         high = 10 ** self.n_digits
         pool = [f"{a}+{b}=" for a in range(high) for b in range(high) if self._is_test(a, b)]
@@ -176,7 +176,11 @@ class DigitSumTask:
         return [self.make_prompt(int(s)) for s in _rng(rng).integers(0, self.max_sum + 1, size=n)]
 
     def test_prompts(self, n: int | None = None) -> list[str]:
-        """Every target once (``n=None``), or ``n`` prompts cycling through the targets."""
+        """Every target once (``n=None``), or ``n`` prompts cycling through the targets.
+
+        There are only ``9 * n_digits + 1`` prompts, so this set is not disjoint from training:
+        the question here is not generalisation but whether answers are valid (and how varied).
+        """
         n = self.max_sum + 1 if n is None else n
         _check_count(n)
         return [self.make_prompt(i % (self.max_sum + 1)) for i in range(n)]
