@@ -20,8 +20,9 @@ John Schulman's three estimators ("Approximating KL divergence", 2020) are
 Every function takes log-probabilities, never probabilities: ``logp = log pi_theta(x)`` and
 ``logq = log pi_ref(x)`` for the sampled tokens (any shape, the same for both), or full
 log-distributions over the last dimension for :func:`exact_kl` and :func:`entropy`.
-Each returns a tensor of the same shape (per token); averaging or summing over a completion
-mask is the trainer's choice, not the estimator's.
+The estimators return one value per token, in the inputs' shape; :func:`exact_kl` and
+:func:`entropy` drop the vocabulary dimension. Averaging or summing over a completion mask is the
+trainer's choice, not the estimator's.
 """
 from __future__ import annotations
 
