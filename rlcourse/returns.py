@@ -44,8 +44,10 @@ def _validate_batch(rewards, gamma, dones, mask):
 def _as_float(x, like):
     """``x`` (a mask of bools or 0/1) as floats of the same library and dtype as ``like``."""
     if hasattr(like, "detach"):
-        return x.to(like.dtype)
-    return np.asarray(x, dtype=like.dtype)
+        import torch
+
+        return torch.as_tensor(x, device=like.device).to(like.dtype)
+    return np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=like.dtype)
 
 
 def _float_rewards(rewards):

@@ -105,3 +105,11 @@ def test_bad_inputs_name_the_argument():
         returns.reward_to_go(np.zeros((2, 3)), 0.9, dones=np.ones(3))
     with pytest.raises(ValueError, match="mask selects no entries"):
         returns.whiten(np.ones((2, 2)), np.zeros((2, 2)))
+
+
+def test_mixed_numpy_and_torch_inputs():
+    rewards = np.array([[1.0, 2.0, 3.0]])
+    mask = np.array([[True, True, False]])
+    expected = brute_reward_to_go(rewards, 0.5, mask=mask)
+    np.testing.assert_allclose(returns.reward_to_go(torch.tensor(rewards), 0.5, mask=mask).numpy(), expected)
+    np.testing.assert_allclose(returns.reward_to_go(rewards, 0.5, mask=torch.tensor(mask)), expected)
