@@ -56,3 +56,49 @@ def plot_gridworld_values(env, V, policy=None, ax=None, title: str | None = None
     if title:
         ax.set_title(title)
     return ax
+
+
+# ---------------------------------------------------------------------------------- PPO and GAE (lessons 04-06)
+def plot_clip_objective(clip_coef: float = 0.2, advantage: float = 1.0, ax=None, clip_coef_high: float | None = None,
+                        r_max: float = 2.0):
+    """PPO's per-sample objective ``min(r A, clip(r, 1-eps, 1+eps) A)`` against the ratio ``r``.
+
+    Draws the unclipped ``r A`` (dashed), the clipped objective (solid) and shades the ratios
+    where its gradient is 0 (the clipped branch is selected), for one advantage value.
+    """
+    import torch
+
+    from rlcourse.losses import ppo_clip_objective
+
+    ax = ax or plt.gca()
+    r = torch.linspace(0.0, r_max, 401, dtype=torch.float64)
+    A = torch.full_like(r, float(advantage))
+    obj = ppo_clip_objective(r, A, clip_coef, clip_coef_high).numpy()
+    high = clip_coef if clip_coef_high is None else clip_coef_high
+    ax.plot(r, (r * A).numpy(), "--", color="grey", label="unclipped  r·A")
+    ax.plot(r, obj, color="C0" if advantage >= 0 else "C3", linewidth=2.5, label="L^CLIP = min(r·A, clip(r)·A)")
+    if advantage > 0:
+        ax.axvspan(1 + high, r_max, color="0.85", label="gradient = 0")
+    elif advantage < 0:
+        ax.axvspan(0, 1 - clip_coef, color="0.85", label="gradient = 0")
+    for x in (1 - clip_coef, 1 + high):
+        ax.axvline(x, color="k", linewidth=0.6, linestyle=":")
+    ax.axvline(1.0, color="k", linewidth=0.8)
+    ax.set_xlabel("probability ratio  r = π_θ(a|s) / π_old(a|s)")
+    ax.set_ylabel("objective (maximised)")
+    ax.set_title(f"A = {advantage:+g},  ε = {clip_coef:g}" + (f", ε_high = {high:g}" if clip_coef_high else ""))
+    ax.legend(loc="upper left" if advantage >= 0 else "lower left", fontsize=8)
+    return ax
+
+
+def plot_training_diagnostics(updates: dict, keys=("clip_fraction", "approx_kl", "entropy", "value_loss"),
+                              x: str = "step", axes=None):
+    """One small panel per diagnostic of a trainer's per-update history, against env steps."""
+    if axes is None:
+        _, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8))
+    for ax, key in zip(np.atleast_1d(axes), keys):
+        ax.plot(updates[x], updates[key], linewidth=1)
+        ax.set_title(key.replace("_", " "))
+        ax.set_xlabel("env steps")
+    plt.tight_layout()
+    return axes

@@ -74,6 +74,58 @@ def next_token_explorer(model, tokenizer, prompt: str, temperature: float = 1.0,
                                                  description="T"))
 
 
+def ppo_clip_explorer(clip_coef: float = 0.2, advantage: float = 1.0):
+    """Sliders for ε and the advantage A: PPO's clipped objective against the ratio r.
+
+    Flip the sign of A and watch the flat, zero-gradient region move from the right of ``1 + ε``
+    to the left of ``1 - ε``; widen ε and the region where the policy keeps learning grows.
+    """
+    from rlcourse.viz import plot_clip_objective
+
+    def show(clip_coef: float, advantage: float):
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        plot_clip_objective(clip_coef, advantage, ax=ax)
+        plt.show()
+
+    return widgets.interactive(
+        show,
+        clip_coef=widgets.FloatSlider(value=clip_coef, min=0.05, max=0.5, step=0.05, description="ε"),
+        advantage=widgets.FloatSlider(value=advantage, min=-5.0, max=5.0, step=0.5, description="A"))
+
+
+def gae_explorer(study, gae_lambda: float = 0.9, gamma: float = 0.9):
+    """Sliders for λ and γ over a :class:`rlcourse.classic.gae_gridworld.GAEStudy`.
+
+    Left: the weights ``(1 - λ) λ^(n-1)`` GAE puts on the n-step advantages. Right: squared bias,
+    variance and their sum (the mean squared error against the exact advantage) over all λ, with
+    the chosen λ marked. Changing γ changes the problem itself (exact A and the critic's targets).
+    """
+    import numpy as np
+
+    def show(gae_lambda: float, gamma: float):
+        lambdas = np.linspace(0, 1, 21)
+        curves = study.bias_variance(lambdas, gamma)
+        here = study.bias_variance([gae_lambda], gamma)
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+        n = np.arange(1, 16)
+        ax1.bar(n, (1 - gae_lambda) * gae_lambda ** (n - 1), color="C0")
+        ax1.set_xlabel("n (steps before bootstrapping)")
+        ax1.set_title(f"GAE weights on the n-step advantages, λ={gae_lambda:.2f}")
+        for key, style in (("bias2", "C3"), ("variance", "C2"), ("mse", "k")):
+            ax2.plot(lambdas, curves[key], color=style, label=key)
+            ax2.plot([gae_lambda], here[key], "o", color=style)
+        ax2.set_xlabel("λ")
+        ax2.set_title(f"error of GAE against the exact A (γ={gamma:.2f})")
+        ax2.legend()
+        plt.tight_layout()
+        plt.show()
+
+    return widgets.interactive(
+        show,
+        gae_lambda=widgets.FloatSlider(value=gae_lambda, min=0.0, max=1.0, step=0.05, description="λ"),
+        gamma=widgets.FloatSlider(value=gamma, min=0.5, max=0.99, step=0.01, description="γ"))
+
+
 # >>> policy-gradient explorers (lessons 02-03)
 def importance_weight_explorer(mdp, theta, batch, gamma: float, max_delta: float = 6.0):
     """A slider for how far a new policy moves from the one that sampled ``batch`` (lesson 03).

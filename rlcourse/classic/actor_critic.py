@@ -42,11 +42,15 @@ class ActorCritic(nn.Module):
         self.actor = mlp(obs_dim, n_actions, hidden, out_std=0.01)
         self.critic = mlp(obs_dim, 1, hidden, out_std=1.0)
 
+    def _cast(self, obs: torch.Tensor) -> torch.Tensor:
+        # observations arrive as float32 (or float64 from NumPy); match the parameters' dtype
+        return obs.to(next(self.parameters()).dtype)
+
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.actor(obs.float())
+        return self.actor(self._cast(obs))
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(obs.float()).squeeze(-1)
+        return self.critic(self._cast(obs)).squeeze(-1)
 
     def logprob_entropy(self, obs: torch.Tensor, actions: torch.Tensor):
         """``log pi(a|s)`` of the given actions and the entropy of ``pi(.|s)``, with grad."""

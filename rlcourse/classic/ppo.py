@@ -95,7 +95,6 @@ def train_ppo(config: PPOConfig | None = None, *, progress: bool = True, **overr
     opt = torch.optim.Adam(agent.parameters(), lr=cfg.learning_rate, eps=1e-5)
     collector = RolloutCollector(envs, cfg.seed)
     batch_size = cfg.num_envs * cfg.num_steps
-    minibatch_size = batch_size // cfg.num_minibatches
     num_updates = cfg.total_timesteps // batch_size
     history = {k: [] for k in DIAGNOSTICS}
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -109,46 +108,9 @@ def train_ppo(config: PPOConfig | None = None, *, progress: bool = True, **overr
             group["lr"] = lr
 
         ro = collector.collect(agent, cfg.num_steps, cfg.gamma, cfg.gae_lambda)
-        batch = ro.flat()
-        sums = dict.fromkeys(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction"), 0.0)
-        n_steps_taken = 0
-        for epoch in range(cfg.update_epochs):
-            # Minibatches: a fresh shuffle each epoch, every transition used once per epoch.
-            order = torch.randperm(batch_size, generator=generator)
-            for lo in range(0, batch_size, minibatch_size):
-                idx = order[lo:lo + minibatch_size]
-                logp, entropy = agent.logprob_entropy(batch["obs"][idx], batch["actions"][idx])
-                adv = batch["advantages"][idx]
-                if cfg.norm_adv:
-                    # Advantage normalisation per minibatch: zero mean, unit std. The scale of the
-                    # rewards then does not set the step size; the sign of each advantage is kept
-                    # relative to the minibatch mean.
-                    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-                policy_loss = losses.ppo_clip_loss(logp, batch["logprobs"][idx], adv, clip_coef=cfg.clip_coef)
-                # The value loss, optionally clipped around the old values (baselines' detail).
-                v_loss = losses.value_loss(agent.value(batch["obs"][idx]), batch["returns"][idx],
-                                           old_values=batch["values"][idx],
-                                           clip_coef=cfg.clip_coef if cfg.clip_vloss else None)
-                # One loss for both networks: vf_coef weighs the critic, the entropy bonus keeps
-                # exploring (ent_coef = 0 is fine on CartPole, whose reward is dense).
-                loss = policy_loss + cfg.vf_coef * v_loss - cfg.ent_coef * entropy.mean()
-                opt.zero_grad()
-                loss.backward()
-                # Global gradient-norm clipping: one unlucky minibatch cannot take a giant step.
-                nn.utils.clip_grad_norm_(agent.parameters(), cfg.max_grad_norm)
-                opt.step()
-                diag = losses.ppo_diagnostics(logp, batch["logprobs"][idx], mask=None, clip_coef=cfg.clip_coef)
-                for key, val in (("policy_loss", policy_loss), ("value_loss", v_loss),
-                                 ("entropy", entropy.mean()), ("approx_kl", diag["approx_kl"]),
-                                 ("clip_fraction", diag["clip_fraction"])):
-                    sums[key] += float(val.detach()) if torch.is_tensor(val) else val
-                n_steps_taken += 1
-            # Early stopping on KL (optional): if this epoch moved the policy too far from pi_old,
-            # the remaining epochs would optimise a surrogate that no longer describes it.
-            if cfg.target_kl is not None and diag["approx_kl"] > cfg.target_kl:
-                break
-        for key, total in sums.items():
-            history[key].append(total / n_steps_taken)
+        diag = ppo_update(agent, opt, ro.flat(), cfg, generator)
+        for key, value in diag.items():
+            history[key].append(value)
         history["explained_variance"].append(explained_variance(ro.values, ro.returns))
         history["learning_rate"].append(lr)
         history["step"].append(collector.global_step)
@@ -163,6 +125,55 @@ def train_ppo(config: PPOConfig | None = None, *, progress: bool = True, **overr
     return TrainResult(agent=agent, episodes=collector.episodes, updates=history,
                        env_steps=collector.global_step, solved_at_step=solved_at,
                        seconds=time.perf_counter() - start)
+
+
+def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, batch: dict, cfg: PPOConfig,
+               generator: torch.Generator | None = None) -> dict:
+    """PPO's optimisation phase on one rollout: ``update_epochs`` passes of shuffled minibatches.
+
+    ``batch`` is :meth:`Rollout.flat`'s dict (``obs``, ``actions``, ``logprobs``, ``values``,
+    ``advantages``, ``returns``). Returns the diagnostics averaged over the minibatch steps taken.
+    """
+    batch_size = batch["actions"].shape[0]
+    minibatch_size = batch_size // cfg.num_minibatches
+    sums = dict.fromkeys(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction"), 0.0)
+    n_steps_taken = 0
+    for epoch in range(cfg.update_epochs):
+        # Minibatches: a fresh shuffle each epoch, every transition used once per epoch.
+        order = torch.randperm(batch_size, generator=generator)
+        for lo in range(0, batch_size, minibatch_size):
+            idx = order[lo:lo + minibatch_size]
+            logp, entropy = agent.logprob_entropy(batch["obs"][idx], batch["actions"][idx])
+            adv = batch["advantages"][idx]
+            if cfg.norm_adv:
+                # Advantage normalisation per minibatch: zero mean, unit std. The scale of the
+                # rewards then does not set the step size; the sign of each advantage is kept
+                # relative to the minibatch mean.
+                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+            policy_loss = losses.ppo_clip_loss(logp, batch["logprobs"][idx], adv, clip_coef=cfg.clip_coef)
+            # The value loss, optionally clipped around the old values (baselines' detail).
+            v_loss = losses.value_loss(agent.value(batch["obs"][idx]), batch["returns"][idx],
+                                       old_values=batch["values"][idx],
+                                       clip_coef=cfg.clip_coef if cfg.clip_vloss else None)
+            # One loss for both networks: vf_coef weighs the critic, the entropy bonus keeps
+            # exploring (ent_coef = 0 is fine on CartPole, whose reward is dense).
+            loss = policy_loss + cfg.vf_coef * v_loss - cfg.ent_coef * entropy.mean()
+            opt.zero_grad()
+            loss.backward()
+            # Global gradient-norm clipping: one unlucky minibatch cannot take a giant step.
+            nn.utils.clip_grad_norm_(agent.parameters(), cfg.max_grad_norm)
+            opt.step()
+            diag = losses.ppo_diagnostics(logp, batch["logprobs"][idx], mask=None, clip_coef=cfg.clip_coef)
+            for key, val in (("policy_loss", policy_loss), ("value_loss", v_loss),
+                             ("entropy", entropy.mean()), ("approx_kl", diag["approx_kl"]),
+                             ("clip_fraction", diag["clip_fraction"])):
+                sums[key] += float(val.detach()) if torch.is_tensor(val) else val
+            n_steps_taken += 1
+        # Early stopping on KL (optional): if this epoch moved the policy too far from pi_old,
+        # the remaining epochs would optimise a surrogate that no longer describes it.
+        if cfg.target_kl is not None and diag["approx_kl"] > cfg.target_kl:
+            break
+    return {key: total / n_steps_taken for key, total in sums.items()}
 
 
 def explained_variance(predicted: torch.Tensor, target: torch.Tensor) -> float:
@@ -187,3 +198,38 @@ def clip_table(ratios=(0.5, 1.0, 1.5), advantages=(-5.0, -1.0, 1.0, 5.0), clip_c
     clipped = (torch.clamp(r, 1 - clip_coef, 1 + clip_coef) * A).numpy()
     branch = np.where(clipped < unclipped, "clipped", np.where(unclipped < clipped, "unclipped", "equal"))
     return values, branch
+
+
+# ---------------------------------------------------------------------------------- L^CLIP as a lower bound (lesson 06)
+@torch.no_grad()
+def surrogates_along_interpolation(agent_old: ActorCritic, agent_new: ActorCritic, batch: dict, alphas,
+                                   clip_coef: float = 0.2) -> dict:
+    """PPO's Figure 2: the surrogates along ``theta(alpha) = theta_old + alpha (theta_new - theta_old)``.
+
+    For each alpha, on a batch collected by the old policy (normalised advantages ``A``):
+
+    * ``cpi``: ``L^CPI = mean(r A)``, the conservative-policy-iteration surrogate (no clip);
+    * ``clip``: ``L^CLIP = mean(min(r A, clip(r, 1 - eps, 1 + eps) A))``, never above ``cpi``;
+    * ``kl``: ``mean_s KL(pi_old(.|s) || pi_alpha(.|s))``, exact per state.
+
+    ``alpha = 0`` is the old policy, ``alpha = 1`` the new one. Returns arrays keyed as above.
+    """
+    import copy
+
+    old_flat = torch.nn.utils.parameters_to_vector(agent_old.actor.parameters())
+    new_flat = torch.nn.utils.parameters_to_vector(agent_new.actor.parameters())
+    probe = copy.deepcopy(agent_old)
+    adv = batch["advantages"]
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    old_dist = torch.log_softmax(agent_old.logits(batch["obs"]), -1)
+    out = {"alpha": [], "cpi": [], "clip": [], "kl": []}
+    for alpha in alphas:
+        torch.nn.utils.vector_to_parameters(old_flat + float(alpha) * (new_flat - old_flat), probe.actor.parameters())
+        logp, _ = probe.logprob_entropy(batch["obs"], batch["actions"])
+        ratio = losses.importance_ratio(logp, batch["logprobs"])
+        dist = torch.log_softmax(probe.logits(batch["obs"]), -1)
+        out["alpha"].append(float(alpha))
+        out["cpi"].append(float((ratio * adv).mean()))
+        out["clip"].append(float(losses.ppo_clip_objective(ratio, adv, clip_coef).mean()))
+        out["kl"].append(float((old_dist.exp() * (old_dist - dist)).sum(-1).mean()))
+    return {k: np.array(v) for k, v in out.items()}

@@ -76,7 +76,7 @@ def conjugate_gradient(Avp, b: torch.Tensor, iters: int = 10, tol: float = 1e-10
     Each iteration makes the residual orthogonal to one more A-conjugate search direction; in
     exact arithmetic it finishes in ``n`` iterations, and 10 already give a good natural-gradient
     direction for networks with thousands of parameters. Starts from ``x = 0``; stops early
-    when ``r^T r < tol``. Returns ``x``.
+    when ``r^T r <= tol``. Returns ``x``.
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
@@ -85,10 +85,13 @@ def conjugate_gradient(Avp, b: torch.Tensor, iters: int = 10, tol: float = 1e-10
     p = b.clone()  # search direction
     rr = r @ r
     for _ in range(iters):
-        if rr < tol:
+        if rr <= tol:  # converged (tol = 0: only an exact zero residual stops early)
             break
         Ap = Avp(p)
-        alpha = rr / (p @ Ap)  # exact minimiser of the quadratic along p
+        pAp = p @ Ap
+        if pAp <= 0:  # A is not positive definite along p (or p vanished): no further progress
+            break
+        alpha = rr / pAp  # exact minimiser of the quadratic along p
         x = x + alpha * p
         r = r - alpha * Ap
         rr_new = r @ r
