@@ -1,0 +1,94 @@
+"""The lesson-05 checks accept the reference and reject plausible wrong answers."""
+import pytest
+import torch
+
+from rlcourse.grading import CheckFailed, check_conjugate_gradient, check_natural_step, check_surrogate_objective
+
+
+def surrogate(logprobs, old_logprobs, advantages):
+    return (torch.exp(logprobs - old_logprobs) * advantages).mean()
+
+
+def conjugate_gradient(Avp, b, iters):
+    x, r, p = torch.zeros_like(b), b.clone(), b.clone()
+    rr = r @ r
+    for _ in range(iters):
+        if rr == 0:
+            break
+        Ap = Avp(p)
+        alpha = rr / (p @ Ap)
+        x, r = x + alpha * p, r - alpha * Ap
+        rr_new = r @ r
+        p, rr = r + rr_new / rr * p, rr_new
+    return x
+
+
+def natural_step(direction, Fd, max_kl):
+    return torch.sqrt(2 * max_kl / (direction @ Fd)) * direction
+
+
+# ----------------------------------------------------------------------------- plausible mistakes
+def surrogate_prob_ratio(logprobs, old_logprobs, advantages):
+    return (logprobs.exp() / old_logprobs.exp() * advantages).mean()
+
+
+def surrogate_detached(logprobs, old_logprobs, advantages):
+    return torch.tensor(float((torch.exp(logprobs - old_logprobs) * advantages).mean().detach()), dtype=torch.float64)
+
+
+def surrogate_log_ratio(logprobs, old_logprobs, advantages):
+    return ((logprobs - old_logprobs) * advantages).mean()
+
+
+def cg_steepest_descent(Avp, b, iters):
+    x, r = torch.zeros_like(b), b.clone()
+    for _ in range(iters):
+        Ar = Avp(r)
+        alpha = (r @ r) / (r @ Ar)
+        x, r = x + alpha * r, r - alpha * Ar
+    return x
+
+
+def cg_too_many_products(Avp, b, iters):
+    x = conjugate_gradient(Avp, b, iters)
+    Avp(x)  # "checking the residual" costs one more product than allowed
+    return x
+
+
+def natural_step_without_two(direction, Fd, max_kl):
+    return torch.sqrt(max_kl / (direction @ Fd)) * direction
+
+
+def natural_step_without_sqrt(direction, Fd, max_kl):
+    return 2 * max_kl / (direction @ Fd) * direction
+
+
+@pytest.mark.parametrize("check, fn", [(check_surrogate_objective, surrogate),
+                                       (check_conjugate_gradient, conjugate_gradient),
+                                       (check_natural_step, natural_step)])
+def test_reference_passes_with_one_line(check, fn, capsys):
+    check(fn)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "passed" in out[0]
+
+
+@pytest.mark.parametrize("check, wrong", [
+    (check_surrogate_objective, surrogate_prob_ratio),
+    (check_surrogate_objective, surrogate_detached),
+    (check_surrogate_objective, surrogate_log_ratio),
+    (check_conjugate_gradient, cg_steepest_descent),
+    (check_conjugate_gradient, cg_too_many_products),
+    (check_natural_step, natural_step_without_two),
+    (check_natural_step, natural_step_without_sqrt),
+])
+def test_wrong_answers_fail(check, wrong):
+    with pytest.raises(CheckFailed):
+        check(wrong)
+
+
+def test_not_implemented_propagates():
+    def stub(*args):
+        raise NotImplementedError("Exercise: write `conjugate_gradient` here")
+
+    with pytest.raises(NotImplementedError):
+        check_conjugate_gradient(stub)
