@@ -116,7 +116,7 @@ def train_ppo(config: PPOConfig | None = None, *, progress: bool = True, **overr
         history["step"].append(collector.global_step)
         bar.update(batch_size)
         if collector.episodes.returns:
-            bar.set_postfix(mean_return=f"{collector.episodes.last_mean_return(cfg.target_window):.0f}")
+            bar.set_postfix(mean_return=f"{collector.episodes.last_mean_return(cfg.target_window):.0f}", refresh=False)
         if solved(collector.episodes, cfg.target_return, cfg.target_window):
             solved_at = collector.global_step
             break
