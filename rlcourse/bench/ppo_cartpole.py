@@ -1,11 +1,12 @@
 """PPO on CartPole-v1: env steps and wall time until the last 20 episodes average >= 475, over seeds.
 
-    python -m rlcourse.bench ppo-cartpole [--seeds 0 1 2] [--budget 150000] [--threads 1] [--no-peer]
+    python -m rlcourse.bench ppo-cartpole [--seeds 0 1 2] [--budget 150000] [--threads 1]
+                                          [--no-peer | --peer-budget 500000] [--no-ours]
 
 Runs :func:`rlcourse.classic.ppo.train_ppo` with its defaults (rl-baselines3-zoo's CartPole
 settings) and, as the peer in the same run, the same trainer with CleanRL's reference
 configuration for ``ppo.py`` (4 envs x 128 steps, 4 epochs of 4 minibatches, lr 2.5e-4, gamma
-0.99, lambda 0.95, ent_coef 0.01), whose own budget is 500k steps; here both get ``--budget``.
+0.99, lambda 0.95, ent_coef 0.01), whose own budget is 500k steps; by default both get ``--budget``.
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--budget", type=int, default=150_000, help="env steps per run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for a 64-unit MLP)")
     parser.add_argument("--no-peer", action="store_true", help="skip the CleanRL-reference configuration")
+    parser.add_argument("--peer-budget", type=int, default=None,
+                        help="env steps for the peer (default: --budget; CleanRL's own is 500000)")
+    parser.add_argument("--no-ours", action="store_true", help="run only the peer")
     args = parser.parse_args(argv)
     import torch
 
@@ -57,9 +61,11 @@ def main(argv: list[str]) -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"# {describe()}  cpu={platform.processor() or platform.machine()} cores={os.cpu_count()} "
           f"load(1 min)={load:.2f}")
-    ours = run("rlcourse defaults", args.seeds, args.budget)
-    peer = None if args.no_peer else run("CleanRL reference cfg", args.seeds, args.budget, **CLEANRL_REFERENCE)
-    summary("rlcourse defaults", ours)
+    ours = None if args.no_ours else run("rlcourse defaults", args.seeds, args.budget)
+    peer = None if args.no_peer else run("CleanRL reference cfg", args.seeds, args.peer_budget or args.budget,
+                                         **CLEANRL_REFERENCE)
+    if ours is not None:
+        summary("rlcourse defaults", ours)
     if peer is not None:
         summary("CleanRL reference cfg", peer)
     return 0
