@@ -42,3 +42,21 @@ def test_ppo_learns_and_records_diagnostics():
     assert lr[0] == pytest.approx(1e-3) and lr[-1] < lr[0]  # annealed
     first = np.mean(result.episodes.returns[:20])
     assert result.episodes.last_mean_return(20) > max(150.0, 5 * first)
+
+
+def test_ppo_penalty_adapts_beta_by_the_rule_and_learns():
+    from rlcourse import losses
+
+    torch.set_num_threads(1)
+    result = train_ppo(total_timesteps=12_288, seed=0, progress=False, target_return=None, loss_type="penalty",
+                       kl_beta=1.0, kl_target=0.01)
+    beta, kl = result.updates["kl_beta"], result.updates["update_kl"]
+    assert beta[0] == 1.0 and len(set(beta)) > 1
+    for i in range(len(beta) - 1):
+        assert beta[i + 1] == losses.adaptive_kl_beta(beta[i], kl[i], 0.01)
+    assert result.episodes.last_mean_return(20) > 3 * np.mean(result.episodes.returns[:20])
+
+
+def test_loss_type_is_validated():
+    with pytest.raises(ValueError, match="loss_type"):
+        PPOConfig(loss_type="kl")

@@ -1,7 +1,7 @@
 """PPO on CartPole-v1: env steps and wall time until the last 20 episodes average >= 475, over seeds.
 
     python -m rlcourse.bench ppo-cartpole [--seeds 0 1 2] [--budget 150000] [--threads 1]
-                                          [--no-peer | --peer-budget 500000] [--no-ours]
+                                          [--no-peer | --peer-budget 500000] [--no-ours] [--penalty]
 
 Runs :func:`rlcourse.classic.ppo.train_ppo` with its defaults (rl-baselines3-zoo's CartPole
 settings) and, as the peer in the same run, the same trainer with CleanRL's reference
@@ -51,6 +51,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--peer-budget", type=int, default=None,
                         help="env steps for the peer (default: --budget; CleanRL's own is 500000)")
     parser.add_argument("--no-ours", action="store_true", help="run only the peer")
+    parser.add_argument("--penalty", action="store_true",
+                        help="also run PPO-penalty (adaptive beta, kl_target 0.01) with the course's settings")
     args = parser.parse_args(argv)
     import torch
 
@@ -64,8 +66,11 @@ def main(argv: list[str]) -> int:
     ours = None if args.no_ours else run("rlcourse defaults", args.seeds, args.budget)
     peer = None if args.no_peer else run("CleanRL reference cfg", args.seeds, args.peer_budget or args.budget,
                                          **CLEANRL_REFERENCE)
+    penalty = run("PPO-penalty", args.seeds, args.budget, loss_type="penalty") if args.penalty else None
     if ours is not None:
         summary("rlcourse defaults", ours)
+    if penalty is not None:
+        summary("PPO-penalty", penalty)
     if peer is not None:
         summary("CleanRL reference cfg", peer)
     return 0

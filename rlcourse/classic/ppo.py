@@ -17,6 +17,10 @@ them together, commenting each implementation detail where it happens (the "37 d
 Huang et al., 2022, that matter on CartPole). The defaults are the CartPole-v1 settings of
 rl-baselines3-zoo (8 envs x 32 steps, 20 epochs, gamma 0.98, lambda 0.8, lr 1e-3 annealed), which
 solve it in about 100k steps instead of the 500k budget of CleanRL's generic defaults.
+
+``loss_type="penalty"`` swaps the clipped loss for PPO-penalty: the unclipped surrogate minus
+``beta * KL(pi_old || pi_theta)`` (exact per state), with beta halved or doubled after each update
+by :func:`rlcourse.losses.adaptive_kl_beta` so the update's KL tracks ``kl_target``.
 """
 from __future__ import annotations
 
@@ -54,6 +58,9 @@ class PPOConfig:
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5
     target_kl: float | None = None
+    loss_type: str = "clip"        # "clip" (PPO-clip) or "penalty" (PPO-penalty, adaptive beta)
+    kl_beta: float = 1.0           # PPO-penalty: the initial beta ...
+    kl_target: float = 0.01        # ... adapted after each update towards this mean KL
     hidden: int = 64
     target_return: float | None = 475.0  # stop once the last `target_window` episodes average this
     target_window: int = 20
@@ -68,13 +75,15 @@ class PPOConfig:
                              f"num_envs * num_steps = {self.num_envs * self.num_steps}")
         if not 0 <= self.gamma <= 1 or not 0 <= self.gae_lambda <= 1:
             raise ValueError(f"gamma and gae_lambda must be in [0, 1], got {self.gamma}, {self.gae_lambda}")
+        if self.loss_type not in ("clip", "penalty"):
+            raise ValueError(f"loss_type must be 'clip' or 'penalty', got {self.loss_type!r}")
         if self.learning_rate <= 0 or self.clip_coef < 0:
             raise ValueError(f"learning_rate must be > 0 and clip_coef >= 0, got "
                              f"{self.learning_rate}, {self.clip_coef}")
 
 
-DIAGNOSTICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction",
-               "explained_variance", "learning_rate", "step")
+DIAGNOSTICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "update_kl",
+               "explained_variance", "learning_rate", "kl_beta", "step")
 
 
 def train_ppo(config: PPOConfig | None = None, *, progress: bool = True, **overrides) -> TrainResult:
@@ -98,6 +107,7 @@ def train_ppo(config: PPOConfig | None = None, *, progress: bool = True, **overr
     num_updates = cfg.total_timesteps // batch_size
     history = {k: [] for k in DIAGNOSTICS}
     generator = torch.Generator().manual_seed(cfg.seed)
+    beta = cfg.kl_beta
     solved_at, start = None, time.perf_counter()
     bar = tqdm(total=num_updates * batch_size, desc=f"PPO {cfg.env_id}", unit="step", disable=not progress)
     for update in range(num_updates):
@@ -108,9 +118,12 @@ def train_ppo(config: PPOConfig | None = None, *, progress: bool = True, **overr
             group["lr"] = lr
 
         ro = collector.collect(agent, cfg.num_steps, cfg.gamma, cfg.gae_lambda)
-        diag = ppo_update(agent, opt, ro.flat(), cfg, generator)
+        diag = ppo_update(agent, opt, ro.flat(), cfg, generator, kl_beta=beta)
         for key, value in diag.items():
             history[key].append(value)
+        history["kl_beta"].append(beta)
+        if cfg.loss_type == "penalty":  # PPO-penalty: adapt beta to the KL this update produced
+            beta = losses.adaptive_kl_beta(beta, diag["update_kl"], cfg.kl_target)
         history["explained_variance"].append(explained_variance(ro.values, ro.returns))
         history["learning_rate"].append(lr)
         history["step"].append(collector.global_step)
@@ -128,12 +141,17 @@ def train_ppo(config: PPOConfig | None = None, *, progress: bool = True, **overr
 
 
 def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, batch: dict, cfg: PPOConfig,
-               generator: torch.Generator | None = None) -> dict:
+               generator: torch.Generator | None = None, kl_beta: float | None = None) -> dict:
     """PPO's optimisation phase on one rollout: ``update_epochs`` passes of shuffled minibatches.
 
     ``batch`` is :meth:`Rollout.flat`'s dict (``obs``, ``actions``, ``logprobs``, ``values``,
-    ``advantages``, ``returns``). Returns the diagnostics averaged over the minibatch steps taken.
+    ``advantages``, ``returns``). Returns the diagnostics averaged over the minibatch steps taken,
+    plus ``update_kl``: the exact mean KL(pi_old || pi_new) over the batch's states after the update.
+    With ``cfg.loss_type == "penalty"`` the policy loss is PPO-penalty with coefficient ``kl_beta``.
     """
+    with torch.no_grad():  # pi_old(.|s) for every state: the exact per-state KL of PPO-penalty
+        old_log_dist = torch.log_softmax(agent.logits(batch["obs"]), -1)
+    beta = cfg.kl_beta if kl_beta is None else kl_beta
     batch_size = batch["actions"].shape[0]
     minibatch_size = batch_size // cfg.num_minibatches
     sums = dict.fromkeys(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction"), 0.0)
@@ -150,7 +168,12 @@ def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, batch: dict, cfg:
                 # rewards then does not set the step size; the sign of each advantage is kept
                 # relative to the minibatch mean.
                 adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-            policy_loss = losses.ppo_clip_loss(logp, batch["logprobs"][idx], adv, clip_coef=cfg.clip_coef)
+            if cfg.loss_type == "clip":
+                policy_loss = losses.ppo_clip_loss(logp, batch["logprobs"][idx], adv, clip_coef=cfg.clip_coef)
+            else:  # PPO-penalty: no clip; the KL to pi_old, exact per state, is the brake
+                log_dist = torch.log_softmax(agent.logits(batch["obs"][idx]), -1)
+                kl = (old_log_dist[idx].exp() * (old_log_dist[idx] - log_dist)).sum(-1)
+                policy_loss = losses.ppo_penalty_loss(logp, batch["logprobs"][idx], adv, kl, beta)
             # The value loss, optionally clipped around the old values (baselines' detail).
             v_loss = losses.value_loss(agent.value(batch["obs"][idx]), batch["returns"][idx],
                                        old_values=batch["values"][idx],
@@ -173,7 +196,11 @@ def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, batch: dict, cfg:
         # the remaining epochs would optimise a surrogate that no longer describes it.
         if cfg.target_kl is not None and diag["approx_kl"] > cfg.target_kl:
             break
-    return {key: total / n_steps_taken for key, total in sums.items()}
+    out = {key: total / n_steps_taken for key, total in sums.items()}
+    with torch.no_grad():
+        new_log_dist = torch.log_softmax(agent.logits(batch["obs"]), -1)
+        out["update_kl"] = float((old_log_dist.exp() * (old_log_dist - new_log_dist)).sum(-1).mean())
+    return out
 
 
 def explained_variance(predicted: torch.Tensor, target: torch.Tensor) -> float:
