@@ -63,3 +63,29 @@ def test_bias_variance_trend(setup):
     assert bv["bias2"][0] > bv["bias2"][1] > bv["bias2"][2] and bv["bias2"][2] < 1e-12
     assert bv["variance"][0] < bv["variance"][1] < bv["variance"][2]
     np.testing.assert_allclose(bv["mse"], bv["bias2"] + bv["variance"])
+
+
+def test_expected_n_step_limits_and_sample_mean(setup):
+    from rlcourse.classic.gae_gridworld import expected_n_step
+
+    env, policy = setup
+    mdp, gamma = env.mdp, 0.9
+    study = GAEStudy(env, policy, critic_noise=2.0, n_episodes=6000, max_steps=80, seed=2)
+    V, _ = study.exact(gamma)
+    V_hat = V + study.critic_error
+    np.testing.assert_allclose(expected_n_step(mdp, policy, V_hat, gamma, 1), expected_gae(mdp, policy, V_hat, gamma, 0.0))
+    np.testing.assert_allclose(expected_n_step(mdp, policy, V_hat, gamma, 400), expected_gae(mdp, policy, V_hat, gamma, 1.0),
+                               atol=1e-8)
+    ep = study.episodes
+    from rlcourse import returns
+    est = returns.n_step_returns(ep["rewards"], V_hat[ep["states"]], gamma, 3, next_values=V_hat[ep["next_states"]],
+                                 terminated=ep["terminated"], dones=ep["dones"], mask=ep["mask"]) - V_hat[ep["states"]]
+    want = expected_n_step(mdp, policy, V_hat, gamma, 3)
+    s, a = ep["states"][:, 0], ep["actions"][:, 0]
+    for key in set(zip(s.tolist(), a.tolist())):
+        pick = (s == key[0]) & (a == key[1])
+        if pick.sum() >= 300:
+            x = est[pick, 0]
+            assert abs(x.mean() - want[key]) < 5 * x.std() / np.sqrt(len(x)) + 1e-9
+    bv = study.n_step_bias_variance([1, 3, 40], gamma)
+    assert bv["bias2"][0] > bv["bias2"][1] > bv["bias2"][2] and bv["variance"][0] < bv["variance"][2]

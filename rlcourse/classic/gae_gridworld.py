@@ -91,22 +91,69 @@ class GAEStudy:
         * ``mse = bias2 + variance``.
         """
         mdp = self.env.unwrapped.mdp
-        V, A = self.exact(gamma)
+        V, _ = self.exact(gamma)
+        return self._score(gamma, [(expected_gae(mdp, self.policy, V + self.critic_error, gamma, float(lam)),
+                                    self.estimates(float(lam), gamma)) for lam in np.atleast_1d(lambdas)])
+
+    def n_step_bias_variance(self, ns, gamma: float) -> dict:
+        """The same scores for the n-step advantages ``G_t^(n) - V_hat(s_t)`` (:func:`expected_n_step`)."""
+        mdp = self.env.unwrapped.mdp
+        V, _ = self.exact(gamma)
         V_hat = V + self.critic_error
+        ep = self.episodes
+        values = V_hat[ep["states"]] * ep["mask"]
+        scored = []
+        for n in ns:
+            est = returns.n_step_returns(ep["rewards"], V_hat[ep["states"]], gamma, int(n),
+                                         next_values=V_hat[ep["next_states"]], terminated=ep["terminated"],
+                                         dones=ep["dones"], mask=ep["mask"]) - values
+            scored.append((expected_n_step(mdp, self.policy, V_hat, gamma, int(n)), est))
+        return self._score(gamma, scored)
+
+    def _score(self, gamma: float, expected_and_estimates) -> dict:
+        _, A = self.exact(gamma)
         ep = self.episodes
         valid = ep["mask"] > 0
         keys = (ep["states"] * A.shape[1] + ep["actions"])[valid]
         counts = np.bincount(keys, minlength=A.size)
         out = {"bias2": [], "variance": [], "mse": []}
-        for lam in np.atleast_1d(lambdas):
-            b = expected_gae(mdp, self.policy, V_hat, gamma, float(lam)) - A
+        for expected, estimates in expected_and_estimates:
+            b = expected - A
             b = b - (self.policy * b).sum(1, keepdims=True)  # drop the state-only part (a baseline)
-            est = self.estimates(float(lam), gamma)[valid]
+            est = estimates[valid]
             mean_k = np.bincount(keys, est, minlength=A.size) / np.maximum(counts, 1)
             out["bias2"].append(float(np.mean(b.reshape(-1)[keys] ** 2)))
             out["variance"].append(float(np.mean((est - mean_k[keys]) ** 2)))
             out["mse"].append(out["bias2"][-1] + out["variance"][-1])
         return {k: np.array(v) for k, v in out.items()}
+
+
+def _td_and_chain(mdp: tabular.TabularMDP, policy, V_hat, gamma: float):
+    """``D(s, a) = E[delta | s, a]`` and the state-action chain ``M[(s,a), (s',a')] = P(s'|s,a) pi(a'|s')``."""
+    policy = np.asarray(policy, float)
+    alive = (~mdp.terminal).astype(float)
+    V_hat = np.asarray(V_hat, float) * alive
+    D = mdp.R + gamma * mdp.P @ V_hat - V_hat[:, None]
+    D[mdp.terminal] = 0.0
+    S, nA = policy.shape
+    M = np.einsum("sat,tb->satb", mdp.P * alive[None, None, :], policy).reshape(S * nA, S * nA)
+    M[np.repeat(mdp.terminal, nA)] = 0.0
+    return D.reshape(-1), M
+
+
+def expected_n_step(mdp: tabular.TabularMDP, policy, V_hat, gamma: float, n: int) -> np.ndarray:
+    """``E[G_t^(n) - V_hat(s_t) | s, a]`` exactly (no time limit): ``sum_{k<n} gamma^k (M^k D)(s, a)``.
+
+    The n-step advantage telescopes into the first n TD residuals, ``sum_{k<n} gamma^k delta_{t+k}``
+    (an episode that ends earlier contributes zeros), and each residual's expectation k steps ahead
+    is ``M^k D`` on the state-action chain.
+    """
+    D, M = _td_and_chain(mdp, policy, V_hat, gamma)
+    total, term = np.zeros_like(D), D.copy()
+    for k in range(n):
+        total += gamma ** k * term
+        term = M @ term
+    return total.reshape(np.asarray(policy).shape)
 
 
 def expected_gae(mdp: tabular.TabularMDP, policy, V_hat, gamma: float, gae_lambda: float) -> np.ndarray:
@@ -121,13 +168,6 @@ def expected_gae(mdp: tabular.TabularMDP, policy, V_hat, gamma: float, gae_lambd
     (nothing flows back from a terminal ``s'``). With the exact ``V_hat = V^pi``, ``D = A`` is
     already the advantage and the expected continuation is 0: every lambda is unbiased.
     """
-    policy = np.asarray(policy, float)
-    alive = (~mdp.terminal).astype(float)
-    V_hat = np.asarray(V_hat, float) * alive
-    D = mdp.R + gamma * mdp.P @ V_hat - V_hat[:, None]
-    D[mdp.terminal] = 0.0
-    S, nA = policy.shape
-    M = np.einsum("sat,tb->satb", mdp.P * alive[None, None, :], policy).reshape(S * nA, S * nA)
-    M[np.repeat(mdp.terminal, nA)] = 0.0
-    X = np.linalg.solve(np.eye(S * nA) - gamma * gae_lambda * M, D.reshape(-1))
-    return X.reshape(S, nA)
+    D, M = _td_and_chain(mdp, policy, V_hat, gamma)
+    X = np.linalg.solve(np.eye(len(D)) - gamma * gae_lambda * M, D)
+    return X.reshape(np.asarray(policy).shape)
