@@ -6,7 +6,6 @@ not: exercises are regenerated, they fail cleanly, committed notebooks are execu
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import nbformat
 import pytest

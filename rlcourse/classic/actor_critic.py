@@ -122,6 +122,7 @@ class RolloutCollector:
         self.running_length = np.zeros(envs.num_envs, dtype=int)
         self.global_step = 0
         self.episodes = EpisodeLog()
+        self.start = time.perf_counter()
 
     @torch.no_grad()
     def collect(self, agent: ActorCritic, num_steps: int, gamma: float, gae_lambda: float) -> Rollout:
@@ -157,6 +158,13 @@ class RolloutCollector:
                           terminated=terminated.T, dones=dones.T).T
         return Rollout(obs=obs, actions=actions, logprobs=logprobs, values=values, advantages=adv,
                        returns=adv + values, rewards=rewards, terminated=terminated, dones=dones)
+
+    def result(self, agent: ActorCritic, updates: dict, solved_at: int | None) -> "TrainResult":
+        """Close the envs and package what the run produced (every trainer ends here)."""
+        self.envs.close()
+        return TrainResult(agent=agent, episodes=self.episodes, updates=updates,
+                           env_steps=self.global_step, solved_at_step=solved_at,
+                           seconds=time.perf_counter() - self.start)
 
     def _log_episodes(self, rewards, done):
         self.global_step += self.envs.num_envs
@@ -210,7 +218,7 @@ def train_actor_critic(env_id: str = "CartPole-v1", *, total_timesteps: int = 10
     opt = torch.optim.Adam(agent.parameters(), lr=learning_rate)
     collector = RolloutCollector(envs, seed)
     updates = {"policy_loss": [], "value_loss": [], "entropy": [], "step": []}
-    solved_at, start = None, time.perf_counter()
+    solved_at = None
     bar = tqdm(total=total_timesteps, desc=f"A2C {env_id}", unit="step", disable=not progress)
     while collector.global_step + num_envs * num_steps <= total_timesteps:
         ro = collector.collect(agent, num_steps, gamma, gae_lambda)
@@ -232,7 +240,4 @@ def train_actor_critic(env_id: str = "CartPole-v1", *, total_timesteps: int = 10
             solved_at = collector.global_step
             break
     bar.close()
-    envs.close()
-    return TrainResult(agent=agent, episodes=collector.episodes, updates=updates,
-                       env_steps=collector.global_step, solved_at_step=solved_at,
-                       seconds=time.perf_counter() - start)
+    return collector.result(agent, updates, solved_at)

@@ -24,7 +24,6 @@ by :func:`rlcourse.losses.adaptive_kl_beta` so the update's KL tracks ``kl_targe
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -108,7 +107,7 @@ def train_ppo(config: PPOConfig | None = None, *, progress: bool = True, **overr
     history = {k: [] for k in DIAGNOSTICS}
     generator = torch.Generator().manual_seed(cfg.seed)
     beta = cfg.kl_beta
-    solved_at, start = None, time.perf_counter()
+    solved_at = None
     bar = tqdm(total=num_updates * batch_size, desc=f"PPO {cfg.env_id}", unit="step", disable=not progress)
     for update in range(num_updates):
         # Learning-rate annealing: the step size shrinks linearly to 0 at the end of the budget,
@@ -134,10 +133,7 @@ def train_ppo(config: PPOConfig | None = None, *, progress: bool = True, **overr
             solved_at = collector.global_step
             break
     bar.close()
-    envs.close()
-    return TrainResult(agent=agent, episodes=collector.episodes, updates=history,
-                       env_steps=collector.global_step, solved_at_step=solved_at,
-                       seconds=time.perf_counter() - start)
+    return collector.result(agent, history, solved_at)
 
 
 def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, batch: dict, cfg: PPOConfig,

@@ -21,12 +21,10 @@ and the surrogate has improved. Pseudocode of one update::
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from rlcourse import losses, returns, tabular
 from rlcourse.classic.actor_critic import ActorCritic, RolloutCollector, TrainResult, make_vector_env, solved
@@ -166,7 +164,7 @@ def train_trpo(env_id: str = "CartPole-v1", *, total_timesteps: int = 50_000, nu
     value_opt = torch.optim.Adam(agent.critic.parameters(), lr=value_lr)
     collector = RolloutCollector(envs, seed)
     updates = {k: [] for k in ("kl", "step_fraction", "improvement", "accepted", "value_loss", "step")}
-    solved_at, start = None, time.perf_counter()
+    solved_at = None
     bar = tqdm(total=total_timesteps, desc=f"TRPO {env_id}", unit="step", disable=not progress)
     while collector.global_step + num_envs * num_steps <= total_timesteps:
         batch = collector.collect(agent, num_steps, gamma, gae_lambda).flat()
@@ -206,10 +204,7 @@ def train_trpo(env_id: str = "CartPole-v1", *, total_timesteps: int = 50_000, nu
             solved_at = collector.global_step
             break
     bar.close()
-    envs.close()
-    return TrainResult(agent=agent, episodes=collector.episodes, updates=updates,
-                       env_steps=collector.global_step, solved_at_step=solved_at,
-                       seconds=time.perf_counter() - start)
+    return collector.result(agent, updates, solved_at)
 
 
 # ---------------------------------------------------------------------------------- exact quantities (lesson 05)

@@ -44,6 +44,20 @@ def assert_close(check: str, case: str, expected, received, hint: str = "", atol
         fail(check, case, exp, got, hint)
 
 
+def fail_if_mistake(check: str, case: str, expected, received, mistake, hint: str) -> None:
+    """Fail with a targeted hint when ``received`` is what a known mistake would have produced.
+
+    Only when the mistake's answer differs from the right one on this case (otherwise the case
+    cannot tell them apart) and has the right shape. Call it before :func:`assert_close`, so
+    a recognised mistake gets its specific hint instead of the generic one.
+    """
+    if received is None:
+        return
+    got, exp, wrong = to_numpy(received), to_numpy(expected), to_numpy(mistake)
+    if got.shape == exp.shape == wrong.shape and np.allclose(got, wrong) and not np.allclose(wrong, exp):
+        fail(check, case, expected, received, hint)
+
+
 def call_unmutated(check: str, case: str, fn, *args, **kwargs):
     """Call ``fn`` and fail if it modified any of its array arguments in place."""
     before = copy.deepcopy((args, kwargs))

@@ -6,7 +6,7 @@ import torch
 
 from rlcourse import losses, returns
 from rlcourse.classic import baselines
-from rlcourse.grading._core import assert_close, call_unmutated, fail, passed, to_numpy
+from rlcourse.grading._core import assert_close, call_unmutated, fail, fail_if_mistake, passed, to_numpy
 
 __all__ = ["check_reward_to_go", "check_batch_mean_baseline", "check_value_baseline",
            "check_moving_average_baselines", "check_importance_weight"]
@@ -27,11 +27,9 @@ def check_reward_to_go(fn) -> None:
         got = call_unmutated(name, label, fn, rewards, gamma)
         expected = returns.reward_to_go(rewards[None], gamma)[0]
         prefix = np.array([returns.discounted_return(rewards[:t + 1], gamma) for t in range(len(rewards))])
-        if got is not None and to_numpy(got).shape == expected.shape and len(rewards) > 1 \
-                and np.allclose(to_numpy(got), prefix) and not np.allclose(prefix, expected):
-            fail(name, label, expected, got,
-                 "that sums the rewards from the start up to t; reward-to-go sums from t to the end "
-                 "(an action cannot change rewards that came before it)")
+        fail_if_mistake(name, label, expected, got, prefix,
+                        "that sums the rewards from the start up to t; reward-to-go sums from t to the end "
+                        "(an action cannot change rewards that came before it)")
         assert_close(name, label, expected, got,
                      hint="work backwards: G_{T-1} = r_{T-1}, then G_t = r_t + gamma * G_{t+1}; "
                           "G_t includes r_t itself")
@@ -108,10 +106,9 @@ def check_moving_average_baselines(fn) -> None:
         expected = baselines.moving_average_baselines(means, decay)
         # The same average, but with batch k's own mean already folded into b_k.
         including = baselines.moving_average_baselines(np.append(means, 0.0), decay)[1:]
-        if got is not None and to_numpy(got).shape == expected.shape and np.allclose(to_numpy(got), including):
-            fail(name, label, expected, got,
-                 "batch k's baseline includes batch k's own mean: shift by one, b_0 = 0 and "
-                 "b_k uses batch_means[:k] only")
+        fail_if_mistake(name, label, expected, got, including,
+                        "batch k's baseline includes batch k's own mean: shift by one, b_0 = 0 and "
+                        "b_k uses batch_means[:k] only")
         assert_close(name, label, expected, got,
                      hint="b_0 = 0, b_1 = m_0, then b_{k+1} = decay * b_k + (1 - decay) * m_k "
                           "(decay weighs the old average, 1 - decay the new mean)")

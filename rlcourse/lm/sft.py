@@ -15,7 +15,6 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from rlcourse.lm.logprobs import position_ids_from_mask, token_logprobs_from_logits
