@@ -57,14 +57,6 @@ def test_softmax_score_check_catches(wrong):
         check_softmax_score(wrong)
 
 
-def test_unfinished_exercise_propagates():
-    def todo(*args):
-        raise NotImplementedError("Exercise")
-    for check in (check_softmax_score, check_reinforce_loss, check_episode_gradient):
-        with pytest.raises(NotImplementedError):
-            check(todo)
-
-
 # ------------------------------------------------------------------ REINFORCE loss
 def loss_ok(logprobs, psi, mask):
     return -(logprobs * psi.detach() * mask).sum() / logprobs.shape[0]

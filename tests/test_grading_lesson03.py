@@ -11,18 +11,6 @@ from rlcourse.grading import (check_batch_mean_baseline, check_importance_weight
                               check_reward_to_go, check_value_baseline)
 from rlcourse.grading._core import CheckFailed
 
-ALL = (check_reward_to_go, check_batch_mean_baseline, check_value_baseline, check_moving_average_baselines,
-       check_importance_weight)
-
-
-def test_unfinished_exercise_propagates():
-    def todo(*args):
-        raise NotImplementedError("Exercise")
-    for check in ALL:
-        with pytest.raises(NotImplementedError):
-            check(todo)
-
-
 # ------------------------------------------------------------------ reward-to-go
 def rtg_ok(rewards, gamma):
     out, running = np.zeros(len(rewards)), 0.0
