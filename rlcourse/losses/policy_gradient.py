@@ -20,6 +20,23 @@ import torch
 
 from rlcourse.returns import discount_weights, episode_returns, reward_to_go
 
+__all__ = [
+    "reinforce_loss",
+    "psi_total_return",
+    "psi_reward_to_go",
+    "psi_reward_to_go_minus_baseline",
+    "trajectory_importance_weight",
+    "masked_mean",
+    "importance_ratio",
+    "ppo_clip_objective",
+    "ppo_clip_loss",
+    "ppo_diagnostics",
+    "value_loss",
+    "entropy_bonus",
+    "ppo_penalty_loss",
+    "adaptive_kl_beta",
+]
+
 
 def _check_logprobs_mask(logprobs: torch.Tensor, mask):
     if not isinstance(logprobs, torch.Tensor) or logprobs.ndim != 2:

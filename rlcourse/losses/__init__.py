@@ -1,0 +1,22 @@
+"""Losses as pure functions on torch tensors, one family per module.
+
+* :mod:`~rlcourse.losses.policy_gradient` - REINFORCE and its weights Psi_t, importance ratios,
+  PPO's clipped and penalised surrogates, the value loss, the entropy bonus (lessons 02-08);
+* :mod:`~rlcourse.losses.reward_model` - the Bradley-Terry loss of a reward model (lesson 08);
+* :mod:`~rlcourse.losses.grpo` - group advantages and the GRPO family's ratios and aggregations
+  (lessons 09-10);
+* :mod:`~rlcourse.losses.dpo` - DPO and its relatives on preference pairs (lesson 11).
+
+Every name is re-exported here, so ``from rlcourse.losses import ppo_clip_loss`` works whatever
+module holds it.
+"""
+from rlcourse.losses.policy_gradient import *  # noqa: F401,F403
+from rlcourse.losses.policy_gradient import __all__ as _policy_gradient
+from rlcourse.losses.reward_model import *  # noqa: F401,F403
+from rlcourse.losses.reward_model import __all__ as _reward_model
+from rlcourse.losses.grpo import *  # noqa: F401,F403
+from rlcourse.losses.grpo import __all__ as _grpo
+from rlcourse.losses.dpo import *  # noqa: F401,F403
+from rlcourse.losses.dpo import __all__ as _dpo
+
+__all__ = [*_policy_gradient, *_reward_model, *_grpo, *_dpo]
