@@ -144,7 +144,7 @@ def _scan(r, m, gamma, decay, ends, bootstrap):
     holds the TD residuals, ``decay = gamma * lambda``). Masked steps are skipped and get 0.
     """
     out = torch.zeros_like(r)
-    running = torch.zeros_like(r[:, 0])
+    running = r.new_zeros(r.shape[0])
     for t in range(r.shape[1] - 1, -1, -1):
         value = r[:, t] + gamma * bootstrap[:, t] + decay * torch.where(ends[:, t], 0.0, running)
         out[:, t] = torch.where(m[:, t], value, 0.0)
@@ -173,7 +173,7 @@ def episode_returns(rewards, gamma: float, mask=None):
     r, m, restore = _batch(rewards, gamma, mask)
     G = _scan(r, m, gamma, gamma, torch.zeros_like(m), torch.zeros_like(r))
     if r.shape[1] == 0:
-        return restore(torch.zeros_like(r[:, 0]))
+        return restore(r.new_zeros(r.shape[0]))
     first = m.long().argmax(1, keepdim=True)  # the first real column (0 for an empty row, whose G is 0)
     return restore(G.gather(1, first)[:, 0])
 
@@ -247,7 +247,7 @@ def _critic_inputs(rewards, values, gamma, *, next_values=None, last_value=None,
     ends, terminal = _episode_ends(r, dones, terminated, truncated)
     N = r.shape[0]
     if last_value is None:
-        lv = torch.zeros_like(r[:, 0])
+        lv = r.new_zeros(N)
     else:
         if next_values is not None:
             raise ValueError("give either next_values or last_value, not both "
@@ -336,9 +336,9 @@ def n_step_returns(rewards, values, gamma: float, n: int, *, next_values=None, l
     next_real = torch.full((N, T + 1), T, dtype=torch.long, device=r.device)
     for t in range(T - 2, -1, -1):
         next_real[:, t] = torch.where(m[:, t + 1], t + 1, next_real[:, t + 1])
-    stops = torch.cat([ends | (next_real[:, :T] == T), torch.ones_like(ends[:, :1])], dim=1)
-    padded_r = torch.cat([torch.where(m, r, 0.0), torch.zeros_like(r[:, :1])], dim=1)
-    padded_b = torch.cat([bootstrap, torch.zeros_like(r[:, :1])], dim=1)
+    stops = torch.cat([ends | (next_real[:, :T] == T), ends.new_ones(N, 1)], dim=1)
+    padded_r = torch.cat([torch.where(m, r, 0.0), r.new_zeros(N, 1)], dim=1)
+    padded_b = torch.cat([bootstrap, r.new_zeros(N, 1)], dim=1)
     pos = torch.arange(T, device=r.device).expand(N, T)
     alive, G = m.clone(), torch.zeros_like(r)
     for k in range(min(int(n), T)):
