@@ -22,8 +22,8 @@ tokens differ between the sampler and the trainer.
 Masks mean "not there": a masked token (a prompt's left pad, a completion's pad after EOS, or a
 hole) is not attended to, takes no position, and its id is never looked up, so whatever id it
 holds cannot change a real token's log-prob; its own log-prob comes back as exactly 0. Prompts
-must be *left*-padded: with a pad after the prompt, the first completion token would be predicted
-from the pad's column. Bad input (right-padded prompts, ids outside the vocabulary, more real
+must be *left*-padded (the last prompt column real in every row): with a pad after the prompt,
+the first completion token would be predicted from the pad's column. Bad input (right-padded prompts, ids outside the vocabulary, more real
 tokens than the model has positions, a temperature that is not a positive number) raises a
 ``ValueError`` naming the argument, before the model runs.
 """
@@ -63,7 +63,7 @@ def _check_ids(name: str, ids, vocab_size: int | None = None, mask=None) -> None
 
 def _check_mask(name: str, mask, shape) -> torch.Tensor:
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"{name} must be a tensor of shape {tuple(shape)}, got "
+        raise ValueError(f"{name} must have shape {tuple(shape)} (that of its ids), got "
                          f"{tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}")
     if mask.numel() and not ((mask == 0) | (mask == 1)).all():
         raise ValueError(f"{name} must hold only 0 and 1 (or booleans): 1 = a real token, 0 = not there")
@@ -108,14 +108,14 @@ def _model_inputs(model, prompt_ids, completion_ids, prompt_mask=None, completio
                    else _check_mask("prompt_mask", prompt_mask, prompt_ids.shape))
     completion_mask = (torch.ones_like(completion_ids) if completion_mask is None
                        else _check_mask("completion_mask", completion_mask, completion_ids.shape))
-    if prompt_ids.shape[1] == 0 or (prompt_mask[:, -1] == 0).any():
-        raise ValueError("prompt_mask must end every row with a real token: prompts are left-padded, "
-                         "and the first completion token is predicted from the prompt's last column "
-                         "(each prompt needs at least one token; pad with padding_side='left')")
-    if (prompt_mask[:, 1:] < prompt_mask[:, :-1]).any():
-        row = int((prompt_mask[:, 1:] < prompt_mask[:, :-1]).any(1).nonzero()[0])
-        raise ValueError(f"prompt_mask must be left-padded (0s, then 1s), but row {row} has a pad after a "
-                         f"real token: {prompt_mask[row].tolist()}. Tokenize with padding_side='left'.")
+    if prompt_ids.shape[1] == 0:
+        raise ValueError("prompt_ids has no columns: every prompt needs at least one token (e.g. BOS), "
+                         "since the first completion token is predicted from the prompt's last one")
+    if (prompt_mask[:, -1] == 0).any():
+        row = int((prompt_mask[:, -1] == 0).nonzero()[0])
+        raise ValueError(f"prompt_mask must be 1 in the last column of every row (prompts left-padded), but "
+                         f"row {row} is {prompt_mask[row].tolist()}: the first completion token would be "
+                         f"predicted from a pad. Tokenize prompts with padding_side='left'.")
     vocab_size = model.get_input_embeddings().num_embeddings
     _check_ids("prompt_ids", prompt_ids, vocab_size, prompt_mask)
     _check_ids("completion_ids", completion_ids, vocab_size, completion_mask)
@@ -136,14 +136,21 @@ def completion_logits(model, prompt_ids: torch.Tensor, completion_ids: torch.Ten
 
     The input is ``[prompt | completion]``. The logit at column ``P - 1 + t`` predicts
     completion token ``t``, so we keep the ``T`` columns starting at the prompt's last one.
+    (A completion with holes, masked tokens inside it, is read from the last *real* column
+    before each token instead: a hole is not there.)
     """
     input_ids, attention_mask = _model_inputs(model, prompt_ids, completion_ids, prompt_mask, completion_mask)
     n_new = completion_ids.shape[1]
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False,
                 logits_to_keep=n_new + 1)
-    # The last column predicts a token after the completion: not needed.
-    return out.logits[:, :-1]
+    logits = out.logits  # columns P-1 .. P+T-1; the last predicts a token after the completion
+    # Column of the last real token at or before each column of the kept window (the prompt's last
+    # column is real, so there always is one): the predictor of the token that follows it.
+    window = attention_mask[:, -(n_new + 1):-1]
+    steps = torch.arange(n_new, device=window.device).expand_as(window)
+    predictor = torch.where(window.bool(), steps, torch.zeros_like(steps)).cummax(-1).values
+    return logits.gather(1, predictor[..., None].expand(-1, -1, logits.shape[-1]))
 
 
 def sequence_logprobs(model, prompt_ids: torch.Tensor, completion_ids: torch.Tensor,
