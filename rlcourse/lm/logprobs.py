@@ -10,7 +10,7 @@ tokens, ``log pi(y | x) = sum_t m_t log pi(y_t | x, y_<t)``, where the mask ``m_
 real tokens (up to and including EOS) and 0 for the padding after it.
 
 The right computation is a log-softmax over the vocabulary *followed by a gather of the token that
-was actually sampled*. A common slip (it is in the syllabus' pseudocode) keeps the log-softmax of
+was actually sampled*. A common slip (it appears in published pseudocode) keeps the log-softmax of
 the whole vocabulary, or sums it, as if it were the action's log-prob: that is a different number
 with no gradient meaning.
 
@@ -23,9 +23,9 @@ Masks mean "not there": a masked token (a prompt's left pad, a completion's pad 
 hole) is not attended to, takes no position, and its id is never looked up, so whatever id it
 holds cannot change a real token's log-prob; its own log-prob comes back as exactly 0. Prompts
 must be *left*-padded (the last prompt column real in every row): with a pad after the prompt,
-the first completion token would be predicted from the pad's column. Bad input (right-padded prompts, ids outside the vocabulary, more real
-tokens than the model has positions, a temperature that is not a positive number) raises a
-``ValueError`` naming the argument, before the model runs.
+the first completion token would be predicted from the pad's column. Bad input (right-padded
+prompts, ids outside the vocabulary, more real tokens than the model has positions, a temperature
+that is not a positive number) raises a ``ValueError`` naming the argument, before the model runs.
 """
 from __future__ import annotations
 
