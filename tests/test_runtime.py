@@ -60,11 +60,13 @@ HF_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 
 def test_importing_rlcourse_sets_omp_wait_policy_and_nothing_else():
     """OMP_WAIT_POLICY is set before torch; the user's Hugging Face settings are left alone."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY",) + HF_VARIABLES}
+    # gymnasium (imported to register the gridworld) sets PYGAME_HIDE_SUPPORT_PROMPT itself
+    ignored = ("OMP_WAIT_POLICY", "PYGAME_HIDE_SUPPORT_PROMPT") + HF_VARIABLES
+    env = {k: v for k, v in os.environ.items() if k not in ignored}
     code = ("import sys, os; before = dict(os.environ); import rlcourse; "
             "assert 'torch' not in sys.modules; "
-            "print(sorted(k for k in os.environ if os.environ.get(k) != before.get(k)), "
-            "os.environ['OMP_WAIT_POLICY'])")
+            "print(sorted(k for k in os.environ if os.environ.get(k) != before.get(k) "
+            "and k != 'PYGAME_HIDE_SUPPORT_PROMPT'), os.environ['OMP_WAIT_POLICY'])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["['OMP_WAIT_POLICY']", "PASSIVE"]
 
