@@ -129,14 +129,17 @@ def test_trpo_learns_cartpole():
 
 
 def collected_batch(seed=0, hidden=4):
-    """A CartPole rollout (2 envs x 16 steps, several episodes per row) and a small float64 agent."""
+    """A CartPole rollout (2 envs x 64 steps, several episodes per row) and a small float64 agent."""
     from rlcourse.classic.actor_critic import ActorCritic, RolloutCollector, make_vector_env
 
     torch.manual_seed(seed)
     agent = ActorCritic(4, 2, hidden=hidden)
     with torch.no_grad():                          # a policy far from uniform: a real gradient
         agent.actor[-1].weight.mul_(100.0)
-    batch = RolloutCollector(make_vector_env("CartPole-v1", 2, seed), seed).collect(agent, 16, 0.99, 0.95).flat()
+    rollout = RolloutCollector(make_vector_env("CartPole-v1", 2, seed), seed).collect(agent, 64, 0.99, 0.95)
+    ends = rollout.dones.sum(0)
+    assert (ends >= 1).all() and ends.sum() >= 3   # several episodes per row, cut mid-episode at the end
+    batch = rollout.flat()
     return agent.double(), {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
 
 
