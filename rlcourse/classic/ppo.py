@@ -159,6 +159,9 @@ def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, batch: dict, cfg:
     plus ``update_kl``: the exact mean KL(pi_old || pi_new) over the batch's states after the update.
     With ``cfg.loss_type == "penalty"`` the policy loss is PPO-penalty with coefficient ``kl_beta``.
     """
+    for key in ("advantages", "returns", "logprobs", "values"):  # before any step, not mid-epoch
+        if not torch.isfinite(batch[key]).all():
+            raise ValueError(f"batch['{key}'] hold nan or inf: the update was not applied")
     with torch.no_grad():  # pi_old(.|s) for every state: the exact per-state KL of PPO-penalty
         old_log_dist = agent.log_distribution(batch["obs"])
     beta = cfg.kl_beta if kl_beta is None else kl_beta
