@@ -132,9 +132,15 @@ class EnumerablePolicy(torch.nn.Module):
         return grad.reshape(-1)
 
     def score_matrix(self) -> torch.Tensor:
-        """``grad_theta log pi(y | x)`` of every (prompt, completion): ``(P, C, D)``, ``D = logits.numel()``."""
-        jac = torch.autograd.functional.jacobian(lambda th: self.logprobs(th), self.logits.detach())
-        return jac.reshape(self.n_prompts, self.n_completions, -1)
+        """``grad_theta log pi(y | x)`` of every (prompt, completion): ``(P, C, D)``, ``D = logits.numel()``.
+
+        Cached until the logits change (an optimiser step or an in-place edit bumps their version).
+        """
+        key = (self.logits._version, self.logits.data_ptr())
+        if getattr(self, "_score_cache", (None,))[0] != key:
+            jac = torch.autograd.functional.jacobian(lambda th: self.logprobs(th), self.logits.detach())
+            self._score_cache = (key, jac.reshape(self.n_prompts, self.n_completions, -1))
+        return self._score_cache[1]
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Indices of ``n`` completions drawn from ``pi(.|x)`` for each prompt, ``(P, n)``.
