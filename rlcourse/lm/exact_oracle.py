@@ -47,8 +47,9 @@ class EnumerablePolicy(torch.nn.Module):
         super().__init__()
         if not isinstance(vocab_size, int) or vocab_size < 2:
             raise ValueError(f"vocab_size must be an integer >= 2 (<eos> and one more token), got {vocab_size!r}")
-        if not isinstance(max_len, int) or not 1 <= max_len <= 4:
-            raise ValueError(f"max_len must be an integer in [1, 4], got {max_len!r}")
+        if not isinstance(max_len, int) or max_len < 1 or (vocab_size - 1) ** max_len > 20_000:
+            raise ValueError(f"max_len must be a positive integer with (vocab_size - 1) ** max_len <= 20000 "
+                             f"completions to enumerate, got max_len={max_len!r} with vocab_size={vocab_size}")
         if not isinstance(n_prompts, int) or n_prompts < 1:
             raise ValueError(f"n_prompts must be a positive integer, got {n_prompts!r}")
         self.vocab_size, self.max_len, self.n_prompts = vocab_size, max_len, n_prompts
