@@ -31,3 +31,9 @@ from rlcourse.lm.value_model import make_value_model  # noqa: E402
 
 __all__ += ["PPOConfig", "PPORLHFTrainer", "ScalarHeadModel", "best_of_n", "best_of_n_kl", "make_value_model",
             "score_completions", "train_reward_model"]
+
+# Lessons 09-10: the critic-free policy-gradient trainer and the enumerable policy (exact oracle).
+from rlcourse.lm.exact_oracle import EnumerablePolicy  # noqa: E402
+from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer  # noqa: E402
+
+__all__ += ["EnumerablePolicy", "PolicyGradientConfig", "PolicyGradientTrainer"]
