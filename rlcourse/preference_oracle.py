@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from rlcourse.kl import exact_kl
-from rlcourse.losses.dpo import preference_loss
+from rlcourse.losses.dpo import _check_beta, preference_loss
 
 __all__ = ["CategoricalBandit", "train_tabular_policy"]
 
@@ -131,11 +131,6 @@ class CategoricalBandit:
         chosen, rejected = np.where(a_wins, a, b), np.where(a_wins, b, a)
         return {"prompt": torch.as_tensor(prompt), "chosen": torch.as_tensor(chosen),
                 "rejected": torch.as_tensor(rejected)}
-
-
-def _check_beta(beta) -> None:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
-        raise ValueError(f"beta must be a number > 0, got {beta!r}")
 
 
 def train_tabular_policy(bandit: CategoricalBandit, pairs: dict, beta: float, loss_type="sigmoid",

@@ -22,3 +22,6 @@ __all__ = [
     "exact_match", "load_checkpoint", "make_model", "next_token_logprobs", "position_ids_from_mask",
     "sample", "save_checkpoint", "sequence_logprobs", "token_logprobs_from_logits", "train_sft",
 ]
+from rlcourse.lm.dpo import DPOConfig, train_dpo  # noqa: E402  (lesson 11)
+
+__all__ += ["DPOConfig", "train_dpo"]
