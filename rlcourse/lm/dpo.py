@@ -180,7 +180,10 @@ def train_dpo(model, tokenizer, pairs: list[dict], args: DPOConfig | None = None
     if ref_model is None:
         ref_model = copy.deepcopy(model)
     ref_model.eval()  # its forwards run under no_grad
-    ref_table = _reference_logps(ref_model, data, max(bs, 64)) if args.precompute_ref_log_probs else None
+    ref_table = None
+    if args.precompute_ref_log_probs:
+        ref_table = _reference_logps(ref_model, data, max(bs, 64))
+        ref_model = None  # not needed any more: free the copy
 
     model.eval()  # no dropout: the policy and its reference must score tokens the same way
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
