@@ -138,8 +138,10 @@ def train_tabular_policy(bandit: CategoricalBandit, pairs: dict, beta: float, lo
     """Fit a tabular softmax policy (one logit per prompt and answer, started at ``pi_ref``) to the
     preference pairs by full-batch Adam on :func:`rlcourse.losses.preference_loss`.
 
-    Returns ``{"logprobs": (P, K) final log-policy, "margins": mean log-ratio margin of the pairs
-    at each recorded step, "kl": mean KL to pi_ref at each recorded step, "steps": the steps}``.
+    Returns ``{"logprobs": (P, K) final log-policy, "steps": the recorded steps}`` and, at each
+    recorded step (every ``record_every``, and the last): ``"margins"`` the mean log-ratio margin of
+    the pairs, ``"rejected_logps"`` the mean log-prob of their rejected answers, ``"kl"`` the mean
+    KL to ``pi_ref`` over prompts.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
@@ -147,7 +149,7 @@ def train_tabular_policy(bandit: CategoricalBandit, pairs: dict, beta: float, lo
     logits = bandit.ref_logprobs.clone().requires_grad_(True)
     opt = torch.optim.Adam([logits], lr=lr)
     ref = bandit.ref_logprobs
-    history = {"steps": [], "margins": [], "kl": []}
+    history = {"steps": [], "margins": [], "rejected_logps": [], "kl": []}
     for step in range(steps + 1):
         logp = torch.log_softmax(logits, -1)
         chosen_logps, rejected_logps = logp[prompt, chosen], logp[prompt, rejected]
@@ -157,6 +159,7 @@ def train_tabular_policy(bandit: CategoricalBandit, pairs: dict, beta: float, lo
                 margin = (chosen_logps - ref_chosen) - (rejected_logps - ref_rejected)
                 history["steps"].append(step)
                 history["margins"].append(float(margin.mean()))
+                history["rejected_logps"].append(float(rejected_logps.mean()))
                 history["kl"].append(float(bandit.kl(logp).mean()))
         if step == steps:
             break
