@@ -22,6 +22,17 @@ __all__ = [
     "exact_match", "load_checkpoint", "make_model", "next_token_logprobs", "position_ids_from_mask",
     "sample", "save_checkpoint", "sequence_logprobs", "token_logprobs_from_logits", "train_sft",
 ]
-from rlcourse.lm.dpo import DPOConfig, train_dpo  # noqa: E402  (lesson 11)
+
+# Lesson 08: reward models, the critic, PPO-RLHF and best-of-n.
+from rlcourse.lm.best_of_n import best_of_n, best_of_n_kl  # noqa: E402
+from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer  # noqa: E402
+from rlcourse.lm.reward_model import ScalarHeadModel, score_completions, train_reward_model  # noqa: E402
+from rlcourse.lm.value_model import make_value_model  # noqa: E402
+
+__all__ += ["PPOConfig", "PPORLHFTrainer", "ScalarHeadModel", "best_of_n", "best_of_n_kl", "make_value_model",
+            "score_completions", "train_reward_model"]
+
+# Lesson 11: DPO.
+from rlcourse.lm.dpo import DPOConfig, train_dpo  # noqa: E402
 
 __all__ += ["DPOConfig", "train_dpo"]
