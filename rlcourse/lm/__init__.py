@@ -37,3 +37,8 @@ from rlcourse.lm.exact_oracle import EnumerablePolicy  # noqa: E402
 from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer  # noqa: E402
 
 __all__ += ["EnumerablePolicy", "PolicyGradientConfig", "PolicyGradientTrainer"]
+
+# Lesson 11: DPO.
+from rlcourse.lm.dpo import DPOConfig, train_dpo  # noqa: E402
+
+__all__ += ["DPOConfig", "train_dpo"]
