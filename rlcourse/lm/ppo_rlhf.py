@@ -150,7 +150,10 @@ class PPORLHFTrainer:
     def __init__(self, config: PPOConfig, policy, tokenizer, reward_model, value_model, prompt_fn,
                  gold_fn=None):
         self.config, self.policy, self.tokenizer = config, policy, tokenizer
-        self.reward_model, self.value_model = reward_model.eval(), value_model
+        # A reward model (scored at the last real token), or any reward function
+        # f(prompts, completions) -> tensor, e.g. a task's verifier (the capstone uses one).
+        self.reward_model = reward_model.eval() if isinstance(reward_model, torch.nn.Module) else reward_model
+        self.value_model = value_model
         self.prompt_fn, self.gold_fn = prompt_fn, gold_fn
         if config.disable_dropout:
             for model in (policy, value_model):
@@ -174,8 +177,12 @@ class PPORLHFTrainer:
                  "completion_mask": ro.completion_mask, "logprobs": ro.logprobs}
         args = (ro.prompt_ids, ro.completion_ids, ro.completion_mask, ro.prompt_mask, c.temperature)
         batch["ref_logprobs"] = sequence_logprobs(self.ref_policy, *args)
-        scores = score_completions(self.reward_model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
-                                   ro.completion_mask)
+        if isinstance(self.reward_model, torch.nn.Module):
+            scores = score_completions(self.reward_model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                       ro.completion_mask)
+        else:
+            scores = torch.as_tensor(self.reward_model(ro.prompts, ro.completions), dtype=torch.float32,
+                                     device=self.device)
         finished = ro.finished
         if c.missing_eos_penalty is not None:
             scores = scores - c.missing_eos_penalty * (~finished).to(scores.dtype)

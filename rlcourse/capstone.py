@@ -1,0 +1,222 @@
+"""The capstone: every language-model algorithm of the course on one task, one model, one sample budget.
+
+Task: :class:`~rlcourse.lm.tasks.DigitSumTask` ("S=07:" -> four digits summing to 7) from the
+``digitsum-sft`` checkpoint, a model that imitated demonstrations of which half were wrong. Many
+answers are right, so besides how often an algorithm answers validly we can ask how *varied* its
+valid answers stay. Every algorithm gets the same number of sampled completions (``budget``):
+
+* the critic-free family through :class:`~rlcourse.lm.policy_gradient.PolicyGradientTrainer`:
+  REINFORCE (moving-average baseline), RLOO, GRPO, Dr. GRPO, DAPO (clip-higher + token mean) and
+  GSPO (sequence-level ratio, two iterations per batch);
+* PPO with a learned critic (:class:`~rlcourse.lm.ppo_rlhf.PPORLHFTrainer`), scored by the same
+  verifier instead of a learned reward model: the RLHF machinery with a perfect reward;
+* DPO (+ an NLL term, RPO) on pairs built from the SFT model's own samples (valid = chosen, invalid
+  = rejected): offline, so the whole budget is spent up front;
+* RFT, rejection-sampling fine-tuning (best-of-n as a training method, a.k.a. expert iteration):
+  sample, keep the valid answers, fine-tune on them, repeat.
+
+:func:`run` trains one (algorithm, seed) and evaluates along the way; :func:`compare` runs them all
+and :func:`summary` gives the table: mean and a 95% t-interval over seeds for each metric.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rlcourse.lm import DigitSumTask, load_checkpoint, sample
+from rlcourse.lm.dpo import DPOConfig, reward_and_kl, train_dpo
+from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+from rlcourse.lm.sft import train_sft
+from rlcourse.runtime import seed_everything
+
+__all__ = ["ALGORITHMS", "CapstoneConfig", "run", "compare", "summary", "t_interval"]
+
+# name -> PolicyGradientConfig overrides (None: a trainer of its own)
+_PG = {
+    "REINFORCE": dict(advantage_estimator="moving_average", loss_type="dr_grpo", num_generations=1),
+    "RLOO": dict(advantage_estimator="rloo", loss_type="dr_grpo"),
+    "GRPO": dict(advantage_estimator="grpo", loss_type="grpo"),
+    "Dr. GRPO": dict(advantage_estimator="grpo", loss_type="dr_grpo", scale_rewards="none"),
+    "DAPO": dict(advantage_estimator="grpo", loss_type="dapo", epsilon_high=0.28, dynamic_sampling=True),
+    "GSPO": dict(advantage_estimator="grpo", loss_type="grpo", importance_sampling_level="sequence",
+                 num_iterations=2, epsilon=3e-4, epsilon_high=4e-4),
+}
+ALGORITHMS = (*_PG, "PPO", "DPO", "RFT")
+# Models a run holds in memory while training (policy, reference, critic...).
+MODELS_HELD = {**{name: 1 for name in _PG}, "PPO": 3, "DPO": 2, "RFT": 1}
+
+
+@dataclass
+class CapstoneConfig:
+    """One budget for everyone. ``budget`` counts sampled completions; evaluation samples are extra."""
+
+    budget: int = 8192
+    batch: int = 64                 # completions per step (8 prompts x 8 generations)
+    learning_rate: float = 6e-4
+    eval_points: int = 4            # evaluations along the way (plus one before training)
+    eval_samples_per_target: int = 4
+    checkpoint: str = "digitsum-sft"
+
+
+def _evaluate(model, ref, tokenizer, task, cfg: CapstoneConfig, seed: int) -> dict:
+    """Sampled validity, KL(pi || pi_ref) along the samples, and distinct valid answers per target."""
+    prompts = task.test_prompts() * cfg.eval_samples_per_target
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(10_000 + seed)
+    validity, kl = reward_and_kl(model, ref, tokenizer, task, prompts, generator=gen)
+    gen.manual_seed(10_000 + seed)
+    roll = sample(model, tokenizer, prompts, task.max_new_tokens, generator=gen)
+    return {"validity": validity, "kl": kl, "distinct": task.distinct_valid(prompts, roll.completions)}
+
+
+def _pg_trainer(name, model, tokenizer, task, cfg, seed):
+    settings = {"learning_rate": cfg.learning_rate, "per_device_train_batch_size": cfg.batch,
+                "num_generations": 8, "seed": seed, **_PG[name]}
+    trainer = PolicyGradientTrainer(model, tokenizer, task, PolicyGradientConfig(**settings))
+    return lambda: trainer.step() and cfg.batch
+
+
+def _ppo_trainer(model, tokenizer, task, cfg, seed):
+    from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer
+    from rlcourse.lm.value_model import make_value_model
+
+    config = PPOConfig(learning_rate=cfg.learning_rate, batch_size=cfg.batch, num_ppo_epochs=2,
+                       response_length=task.max_new_tokens, kl_coef=0.0, seed=seed)
+    trainer = PPORLHFTrainer(config, model, tokenizer, task.reward, make_value_model("policy", policy=model),
+                             prompt_fn=task.prompts)
+    return lambda: trainer.train(1, progress=False) and cfg.batch
+
+
+def _rft_trainer(model, tokenizer, task, cfg, seed):
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+
+    def step():
+        prompts = task.prompts(cfg.batch, rng)
+        roll = sample(model, tokenizer, prompts, task.max_new_tokens, generator=gen)
+        kept = [{"prompt": p, "completion": c} for p, c, r in
+                zip(prompts, roll.completions, task.reward(prompts, roll.completions)) if r > 0]
+        if kept:  # a few SFT steps on the model's own valid answers
+            train_sft(model, tokenizer, kept, steps=1, lr=cfg.learning_rate, batch_size=len(kept),
+                      warmup=0, weight_decay=0.0, seed=int(rng.integers(2**31)), progress=False)
+        return cfg.batch
+    return step
+
+
+def _dpo_pairs(model, tokenizer, task, n_samples: int, seed: int) -> list[dict]:
+    """Sample ``n_samples`` completions from the SFT model, 8 per prompt; pair valid with invalid ones."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    prompts = [p for p in task.prompts(n_samples // 8, rng) for _ in range(8)]
+    roll = sample(model, tokenizer, prompts, task.max_new_tokens, generator=gen)
+    rewards = task.reward(prompts, roll.completions).tolist()
+    pairs = []
+    for g in range(0, len(prompts), 8):
+        good = [roll.completions[i] for i in range(g, g + 8) if rewards[i] > 0]
+        bad = [roll.completions[i] for i in range(g, g + 8) if rewards[i] <= 0]
+        pairs += [{"prompt": prompts[g], "chosen": c, "rejected": r} for c, r in zip(good, bad)]
+    return pairs
+
+
+def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=None) -> dict:
+    """Train one algorithm from the checkpoint; return its learning curve and costs.
+
+    ``curve`` rows: ``samples`` drawn so far, ``seconds`` of training so far (evaluation excluded),
+    ``validity``, ``kl`` and ``distinct``. Also ``models_held``, ``parameters`` (of one model),
+    ``completions_per_second`` and, on CUDA, ``peak_memory_mb``.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    cfg = cfg or CapstoneConfig()
+    if cfg.budget < cfg.batch:
+        raise ValueError(f"budget ({cfg.budget}) must be at least one batch ({cfg.batch})")
+    seed_everything(seed)
+    task = DigitSumTask()
+    model, tokenizer = load_checkpoint(cfg.checkpoint, device=device)
+    ref, _ = load_checkpoint(cfg.checkpoint, device=device)
+    dev = next(model.parameters()).device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    curve = [{"samples": 0, "seconds": 0.0, **_evaluate(model, ref, tokenizer, task, cfg, seed)}]
+    marks = [round(cfg.budget * (k + 1) / cfg.eval_points) for k in range(cfg.eval_points)]
+    samples, seconds = 0, 0.0
+    if algorithm == "DPO":  # offline: the whole budget is sampled first, then trained on
+        start = time.perf_counter()
+        pairs = _dpo_pairs(model, tokenizer, task, cfg.budget, seed)
+        args = DPOConfig(beta=0.1, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0], seed=seed,
+                         learning_rate=cfg.learning_rate, per_device_train_batch_size=32,
+                         num_train_epochs=2, lr_scheduler_type="constant", precompute_ref_log_probs=True)
+        train_dpo(model, tokenizer, pairs, args, ref_model=ref, progress=False)
+        samples, seconds = cfg.budget, time.perf_counter() - start
+        curve.append({"samples": samples, "seconds": seconds, **_evaluate(model, ref, tokenizer, task, cfg, seed)})
+    else:
+        step = (_pg_trainer(algorithm, model, tokenizer, task, cfg, seed) if algorithm in _PG else
+                _ppo_trainer(model, tokenizer, task, cfg, seed) if algorithm == "PPO" else
+                _rft_trainer(model, tokenizer, task, cfg, seed))
+        while samples < cfg.budget:
+            start = time.perf_counter()
+            step()
+            samples += cfg.batch
+            seconds += time.perf_counter() - start
+            if marks and samples >= marks[0]:
+                marks.pop(0)
+                curve.append({"samples": samples, "seconds": seconds,
+                              **_evaluate(model, ref, tokenizer, task, cfg, seed)})
+    out = {"algorithm": algorithm, "seed": seed, "curve": curve, "models_held": MODELS_HELD[algorithm],
+           "parameters": sum(p.numel() for p in model.parameters()),
+           "completions_per_second": samples / max(seconds, 1e-9)}
+    if dev.type == "cuda":
+        out["peak_memory_mb"] = torch.cuda.max_memory_allocated(dev) / 2**20
+    return out
+
+
+def compare(algorithms=ALGORITHMS, seeds=(0, 1, 2), cfg: CapstoneConfig | None = None, progress: bool = True,
+            device=None) -> list[dict]:
+    """:func:`run` for every (algorithm, seed); a tqdm bar names the run in progress."""
+    from tqdm.auto import tqdm
+
+    jobs = [(a, s) for a in algorithms for s in seeds]
+    results = []
+    with tqdm(jobs, disable=not progress, desc="capstone") as bar:
+        for algorithm, seed in bar:
+            bar.set_postfix_str(f"{algorithm}, seed {seed}")
+            results.append(run(algorithm, seed, cfg, device=device))
+    return results
+
+
+# Student's t quantile t_{0.975, df}, from standard tables (df > 30: the normal's 1.96 is within 4%).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+         10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
+
+
+def t_interval(values) -> tuple[float, float]:
+    """Mean and half-width of the 95% Student-t interval: ``mean +/- t_{0.975, n-1} s / sqrt(n)``.
+
+    ``s`` is the sample standard deviation (``ddof=1``). With 3 seeds ``t = 4.303``: the interval
+    is wide, and two algorithms are called different only where their intervals do not overlap.
+    """
+    x = np.asarray(values, dtype=float)
+    if x.ndim != 1 or len(x) < 2 or not np.isfinite(x).all():
+        raise ValueError(f"values must be at least 2 finite numbers, got {values!r}")
+    df = len(x) - 1
+    t = _T975[max(k for k in _T975 if k <= df)] if df <= 30 else 1.96
+    return float(x.mean()), float(t * x.std(ddof=1) / math.sqrt(len(x)))
+
+
+def summary(results: list[dict]) -> list[dict]:
+    """One row per algorithm: final metrics as (mean, 95% half-width) over seeds, costs."""
+    rows = []
+    for algorithm in dict.fromkeys(r["algorithm"] for r in results):
+        runs = [r for r in results if r["algorithm"] == algorithm]
+        final = [r["curve"][-1] for r in runs]
+        row = {"algorithm": algorithm, "seeds": len(runs), "models_held": runs[0]["models_held"]}
+        for key in ("validity", "kl", "distinct", "seconds"):
+            row[key] = t_interval([f[key] for f in final])
+        row["completions_per_second"] = float(np.mean([r["completions_per_second"] for r in runs]))
+        if "peak_memory_mb" in runs[0]:
+            row["peak_memory_mb"] = float(np.max([r["peak_memory_mb"] for r in runs]))
+        rows.append(row)
+    return rows
