@@ -6,8 +6,10 @@ raises ``AssertionError`` naming the case, the expected and received values, and
 ``NotImplementedError`` from an unfinished exercise is left to propagate unchanged.
 
 Every function here sets ``__tracebackhide__``: IPython (and pytest) then leave the grader's own
-frames out of a failing check's traceback, so the learner sees their cell, their function, and
-the message, not the reference call inside the check.
+frames out of a traceback, so an error raised in the learner's function shows their cell and their
+function, not the reference call inside the check. IPython always shows the frame that raised,
+so for a failed check itself (``CheckFailed``, raised here) a handler installed in the kernel
+shows the message alone: the case, expected, received and hint.
 
 Inputs are the caller's own objects: a check passes the very arrays and tensors it keeps, and
 compares them with a saved copy after the call (:func:`call_unmutated`), so an answer that writes
@@ -22,6 +24,26 @@ import numpy as np
 
 class CheckFailed(AssertionError):
     """Raised when a learner's function gives a wrong answer."""
+
+
+def _show_check_failed(shell, etype, value, tb, tb_offset=None):
+    """IPython's handler for CheckFailed: the message, without the grader's frames."""
+    stb = [f"\x1b[0;31m{etype.__name__}\x1b[0m: {value}"]
+    shell._showtraceback(etype, value, stb)
+    return stb
+
+
+def _install_ipython_handler() -> None:
+    import sys
+
+    if "IPython" not in sys.modules:      # not in a notebook kernel or IPython shell
+        return
+    shell = sys.modules["IPython"].get_ipython()
+    if shell is not None and CheckFailed not in getattr(shell, "custom_exceptions", ()):
+        shell.set_custom_exc(tuple(shell.custom_exceptions) + (CheckFailed,), _show_check_failed)
+
+
+_install_ipython_handler()
 
 
 def _is_tensor(x) -> bool:

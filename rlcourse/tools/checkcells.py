@@ -82,15 +82,39 @@ class Audit:
     """Where each manifest entry's check cell is (``cells[i]``, ``None`` if not found) and what is wrong."""
 
     cells: list[int | None]
-    problems: dict[int, str] = field(default_factory=dict)   # manifest index -> why that check is tampered
-    notebook_problems: list[str] = field(default_factory=list)  # tampering not tied to one check
+    problems: dict[int, str] = field(default_factory=dict)   # manifest index -> why its check cell cannot be run
+    notebook_problems: list[str] = field(default_factory=list)  # redefined checks, patching: the checks still run
 
 
-def _redefinitions(source: str) -> tuple[list[str], list[str]]:
-    """Names ``check_*`` bound by a cell, and ``rlcourse...`` attributes it assigns (patching)."""
+def _parse(source: str):
     try:
-        tree = ast.parse(source)
+        return ast.parse(source)
     except SyntaxError:
+        return None
+
+
+def _rlcourse_aliases(sources) -> set[str]:
+    """Names the notebook binds to rlcourse modules or objects (``import rlcourse.grading._core as core``)."""
+    aliases = {"rlcourse"}
+    for tree in filter(None, map(_parse, sources)):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("rlcourse")}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rlcourse"):
+                aliases |= {a.asname or a.name for a in node.names}
+    return aliases
+
+
+def _root_name(node) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _redefinitions(source: str, aliases: set[str]) -> tuple[list[str], list[str]]:
+    """Names ``check_*`` bound by a cell, and what it assigns into ``rlcourse`` (patching)."""
+    tree = _parse(source)
+    if tree is None:
         return [], []
     bound, patched = [], []
     for node in ast.walk(tree):
@@ -101,15 +125,15 @@ def _redefinitions(source: str) -> tuple[list[str], list[str]]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
                 for leaf in ast.walk(target):
-                    if isinstance(leaf, ast.Name):
+                    if isinstance(leaf, ast.Name) and isinstance(leaf.ctx, ast.Store):
                         names.append(leaf.id)
-                    elif isinstance(leaf, ast.Attribute):
-                        text = ast.unparse(leaf)
-                        if _CHECK_NAME.search(text) or re.search(r"\b(rlcourse|grading|_core)\b", text):
-                            patched.append(text)
+                    elif isinstance(leaf, ast.Attribute) and isinstance(leaf.ctx, ast.Store) \
+                            and (_root_name(leaf) in aliases or _CHECK_NAME.search(leaf.attr)):
+                        patched.append(ast.unparse(leaf))
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.asname for a in node.names if a.asname]
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "exec"):
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                and node.args and _root_name(node.args[0]) in aliases:
             patched.append(ast.unparse(node)[:60])
         bound += [n for n in names if _CHECK_NAME.fullmatch(n)]
     return bound, patched
@@ -125,7 +149,7 @@ def audit(nb, manifest: list[dict]) -> Audit:
         match = next((i for i, _ in code if i not in used and hashes[i] == entry["sha256"]), None)
         result.cells.append(match)
         if match is None:
-            mentions = any(re.search(rf"\b{entry['check']}\b", src) for _, src in code)
+            mentions = any(re.search(rf"\b{entry['check']}\s*\(", src) for i, src in code if i not in used)
             result.problems[k] = ("its check cell was edited (the text differs from the one handed out)"
                                   if mentions else "its check cell is missing")
         else:
@@ -134,16 +158,11 @@ def audit(nb, manifest: list[dict]) -> Audit:
     for (c1, k1), (c2, k2) in zip(found, found[1:]):
         if c2 < c1:
             result.problems.setdefault(k2, f"its check cell was moved above {manifest[k1]['check']}'s")
-    checks = {e["check"]: k for k, e in enumerate(manifest)}
+    aliases = _rlcourse_aliases(src for _, src in code)
     for i, src in code:
         if i in used:
             continue
-        bound, patched = _redefinitions(src)
-        for name in bound:
-            reason = f"a cell redefines {name}"
-            if name in checks:
-                result.problems.setdefault(checks[name], reason)
-            else:
-                result.notebook_problems.append(reason)
+        bound, patched = _redefinitions(src, aliases)
+        result.notebook_problems += [f"a cell redefines {name}" for name in bound]
         result.notebook_problems += [f"a cell patches the grader ({p})" for p in patched]
     return result

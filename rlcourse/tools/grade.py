@@ -1,7 +1,10 @@
 """Grade exercise notebooks: ``python -m rlcourse grade [PATH ...] [--csv OUT.csv]``.
 
 PATH is a notebook, a folder of notebooks, or a class folder (one sub-folder of notebooks per
-learner); the default is ``exercises/``. Grading reads the notebook *file*: save it first.
+learner); the default is ``exercises/``. ``--csv OUT.csv`` writes one row per learner and one
+column per check; ``--manifests DIR`` grades against the check manifests in DIR instead of the
+ones shipped with rlcourse (for an instructor's own exercises). Grading reads the notebook *file*:
+save it first.
 
 How a notebook is graded, so that the score can be trusted:
 
@@ -230,16 +233,23 @@ def write_csv(grades: list[tuple[str, NotebookGrade]], out: Path) -> None:
             writer.writerow([who, *row, row.count("passed"), len(columns), "; ".join(notes[who])])
 
 
+def _option(argv: list[str], flag: str) -> Path | None:
+    if flag not in argv:
+        return None
+    i = argv.index(flag)
+    if i + 1 >= len(argv):
+        raise SystemExit(f"grade: {flag} needs a path")
+    value = Path(argv[i + 1])
+    del argv[i:i + 2]
+    return value
+
+
 def main(argv: list[str]) -> int:
+    """``grade [PATH ...] [--csv OUT.csv] [--manifests DIR]`` (DIR: manifests of your own exercises)."""
     argv = list(argv)
-    out = None
-    if "--csv" in argv:
-        i = argv.index("--csv")
-        if i + 1 >= len(argv):
-            raise SystemExit("grade: --csv needs a file name")
-        out = Path(argv[i + 1])
-        del argv[i:i + 2]
-    grades = [(who, grade_notebook(path)) for who, path in notebooks_in(argv or ["exercises"])]
+    out = _option(argv, "--csv")
+    manifests = _option(argv, "--manifests")
+    grades = [(who, grade_notebook(path, manifests)) for who, path in notebooks_in(argv or ["exercises"])]
     print_table(grades)
     if out is not None:
         write_csv(grades, out)
