@@ -103,16 +103,9 @@ def gae_float32(rewards, values, next_values, terminated, dones, gamma, lam):
 
 # ------------------------------------------------------------------ one parameter value everywhere
 def n_step_gamma_09(rewards, next_values, terminated, dones, gamma, n):
-    gamma = 0.9
-    T = len(rewards)
-    G = np.zeros(T)
-    for t in range(T):
-        for k in range(n):
-            G[t] += gamma ** k * rewards[t + k]
-            if dones[t + k] or t + k == T - 1 or k == n - 1:
-                G[t] += gamma ** (k + 1) * (1.0 - terminated[t + k]) * next_values[t + k]
-                break
-    return G
+    from test_grading_lesson04 import n_step_returns
+
+    return n_step_returns(rewards, next_values, terminated, dones, 0.9, n)   # the argument ignored
 
 
 def q_update_gamma_09(Q, s, a, r, s_next, terminated, alpha, gamma):
@@ -198,20 +191,10 @@ def reinforce_loss_masks_psi_in_place(logprobs, psi, mask):
 
 
 def cg_overwrites_b(Avp, b, iters):
-    x = torch.zeros_like(b)
-    r = b                                      # not a copy: r -= ... writes into the caller's b
-    p = b.clone()
-    rr = r @ r
-    for _ in range(iters):
-        if rr == 0:
-            break
-        Ap = Avp(p)
-        alpha = rr / (p @ Ap)
-        x = x + alpha * p
-        r -= alpha * Ap
-        rr_new = r @ r
-        p = r + (rr_new / rr) * p
-        rr = rr_new
+    from test_grading_lesson05 import conjugate_gradient
+
+    x = conjugate_gradient(Avp, b, iters)
+    b -= Avp(x)                                # "the residual", computed into the caller's b
     return x
 
 
