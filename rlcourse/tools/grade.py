@@ -154,7 +154,7 @@ def grade_notebook(path: Path, manifests: Path | None = None, timeout: int = 600
         captures = []
         client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
                                 resources={"metadata": {"path": str(path.parent.resolve())}})
-        with client.setup_kernel():
+        with client.setup_kernel(stderr=subprocess.DEVNULL):   # the kernel's own log lines, not the learner's output
             for i, cell in enumerate(nb.cells):
                 if cell.cell_type != "code" or i in tampered_cells:
                     continue
