@@ -151,39 +151,49 @@ def grade_notebook(path: Path, manifests: Path | None = None, timeout: int = 600
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        captures = []
+        captures, i = [], 0
         client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
                                 resources={"metadata": {"path": str(path.parent.resolve())}})
-        with client.setup_kernel(stderr=subprocess.DEVNULL):   # the kernel's own log lines, not the learner's output
-            for i, cell in enumerate(nb.cells):
-                if cell.cell_type != "code" or i in tampered_cells:
-                    continue
-                if i in at_cell:
-                    k = at_cell[i]
-                    file = tmp / f"check{k}.pkl"
-                    probe = nbformat.v4.new_code_cell(_capture_code(manifest[k], file))
-                    client.execute_cell(probe, i)
-                    error = _error_of(probe.outputs)
-                    if error:
-                        grade.rows[k].outcome, grade.rows[k].message = "error", error
+        try:
+            with client.setup_kernel(stderr=subprocess.DEVNULL):   # the kernel's own log lines, not the learner's output
+                for i, cell in enumerate(nb.cells):
+                    if cell.cell_type != "code" or i in tampered_cells:
+                        continue
+                    if i in at_cell:
+                        k = at_cell[i]
+                        file = tmp / f"check{k}.pkl"
+                        probe = nbformat.v4.new_code_cell(_capture_code(manifest[k], file))
+                        client.execute_cell(probe, i)
+                        error = _error_of(probe.outputs)
+                        if error:
+                            grade.rows[k].outcome = "error"
+                            grade.rows[k].message = (f"`{manifest[k]['function']}` is not defined when its check cell runs"
+                                                     if error.startswith("NameError") else
+                                                     f"the function could not be handed to the grader: {error}")
+                        else:
+                            captures.append({"index": k, "check": manifest[k]["check"], "file": str(file)})
                     else:
-                        captures.append({"index": k, "check": manifest[k]["check"], "file": str(file)})
-                else:
-                    client.execute_cell(cell, i)
-                    error = _error_of(cell.outputs)
-                    if error:
-                        grade.problems.append(f"{_where(nb, i)} raised {error}")
+                        client.execute_cell(cell, i)
+                        error = _error_of(cell.outputs)
+                        if error:
+                            grade.problems.append(f"{_where(nb, i)} raised {error}")
+        except Exception as e:  # a cell ran past the time limit, or the kernel died: grade what was handed over
+            first = (str(e).splitlines() or [""])[0]
+            grade.problems.append(f"the notebook stopped at {_where(nb, i)}: {type(e).__name__}: {first}"[:300])
         if captures:
             (tmp / "captures.json").write_text(json.dumps(captures))
             env = dict(os.environ)
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-            subprocess.run([sys.executable, "-m", "rlcourse.tools.grade_runner", str(tmp)], env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, timeout=timeout * 4)
+            try:
+                subprocess.run([sys.executable, "-m", "rlcourse.tools.grade_runner", str(tmp)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, timeout=timeout * 4)
+            except subprocess.TimeoutExpired:
+                grade.problems.append(f"the checks ran past {timeout * 4} s")
             results = json.loads((tmp / "results.json").read_text()) if (tmp / "results.json").exists() else {}
             for capture in captures:
                 row = grade.rows[capture["index"]]
                 result = results.get(str(capture["index"]),
-                                     {"outcome": "error", "message": "the check crashed the grading process"})
+                                     {"outcome": "error", "message": "the check crashed or ran out of time"})
                 row.outcome, row.message = result["outcome"], result["message"]
     return grade
 
