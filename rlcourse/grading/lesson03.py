@@ -211,7 +211,7 @@ def check_baseline_variance(fn) -> None:
     measured = {}
     for use_baseline in (False, True):
         case = f"maze2x3 (slip=0.1, step_reward=-1), 2000 episodes, use_baseline={use_baseline}, seed=0"
-        got = fn(env, theta.copy(), 2000, use_baseline, 0)
+        got = call_unmutated(name, case, fn, env, theta, 2000, use_baseline, 0)
         if not isinstance(got, tuple) or len(got) != 2:
             fail(name, case, "a pair (mean_gradient, variance)", got, "return g.mean(axis=0), g.var(axis=0).sum()")
         mean, variance = to_numpy(got[0]), float(to_numpy(got[1]))
