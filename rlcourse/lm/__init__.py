@@ -28,3 +28,12 @@ from rlcourse.lm.exact_oracle import EnumerablePolicy  # noqa: E402
 from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer  # noqa: E402
 
 __all__ += ["EnumerablePolicy", "PolicyGradientConfig", "PolicyGradientTrainer"]
+
+# Lesson 08: reward models, the critic, PPO-RLHF and best-of-n.
+from rlcourse.lm.best_of_n import best_of_n, best_of_n_kl  # noqa: E402
+from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer  # noqa: E402
+from rlcourse.lm.reward_model import ScalarHeadModel, score_completions, train_reward_model  # noqa: E402
+from rlcourse.lm.value_model import make_value_model  # noqa: E402
+
+__all__ += ["PPOConfig", "PPORLHFTrainer", "ScalarHeadModel", "best_of_n", "best_of_n_kl", "make_value_model",
+            "score_completions", "train_reward_model"]

@@ -1,0 +1,203 @@
+"""Checks for lesson 08 (reward models and PPO-RLHF): the Bradley-Terry loss, the score at the last
+real token, KL-shaped token rewards, token-level GAE with masks, and the EOS-trick experiment.
+
+Each check compares the learner's function with the reference in :mod:`rlcourse.losses`,
+:mod:`rlcourse.lm.reward_model`, :mod:`rlcourse.lm.ppo_rlhf` or :mod:`rlcourse.returns` on inputs
+built to expose one plausible mistake each: ``log(sigmoid)`` underflowing, the margin's sign, the
+score read at the last column (a pad), the score added at every token, the KL term carrying
+gradient, GAE bootstrapping from the values after ``<eos>``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy
+
+__all__ = ["check_bradley_terry_loss", "check_score_at_last_token", "check_kl_shaped_rewards",
+           "check_token_gae", "check_eos_experiment"]
+
+
+def _plain(x):
+    return x.detach() if hasattr(x, "detach") else x
+
+
+def _unchanged(name, case, before, after):
+    for b, a in zip(before, after):
+        if isinstance(a, torch.Tensor) and not torch.equal(b, a):
+            fail(name, case, "inputs left unchanged", "an input tensor was modified in place",
+                 "build new tensors (e.g. x.clone()) instead of writing into an argument")
+
+
+def check_bradley_terry_loss(fn) -> None:
+    """``fn(rewards_chosen, rewards_rejected, margin=None) -> scalar``: ``-mean log sigmoid(r_w - r_l - m)``."""
+    from rlcourse.losses import bradley_terry_loss as reference
+
+    name = "check_bradley_terry_loss"
+    gen = torch.Generator().manual_seed(80)
+    cases = [("one pair, chosen ahead", torch.tensor([1.0]), torch.tensor([0.0]), None),
+             ("random pairs", torch.randn(16, generator=gen), torch.randn(16, generator=gen), None),
+             ("random pairs, margin 0.5 (a float)", torch.randn(8, generator=gen), torch.randn(8, generator=gen), 0.5),
+             ("random pairs, one margin per pair", torch.randn(6, generator=gen), torch.randn(6, generator=gen),
+              torch.rand(6, generator=gen) * 2),
+             ("badly ranked pairs with huge differences (log(sigmoid) underflows)",
+              torch.tensor([-200.0, 150.0, -90.0]), torch.tensor([200.0, -150.0, 20.0]), None),
+             ("float64 rewards", torch.randn(5, generator=gen, dtype=torch.float64),
+              torch.randn(5, generator=gen, dtype=torch.float64), None)]
+    for case, rc, rr, margin in cases:
+        before = [rc.clone(), rr.clone()] + ([margin.clone()] if isinstance(margin, torch.Tensor) else [])
+        got = fn(rc, rr, margin) if margin is not None else fn(rc, rr)
+        _unchanged(name, case, before, [rc, rr] + ([margin] if isinstance(margin, torch.Tensor) else []))
+        expected = reference(rc, rr, margin)
+        d = (rc - rr).double()
+        m = torch.as_tensor(0.0 if margin is None else margin, dtype=torch.float64)
+        g = None if got is None else _plain(torch.as_tensor(got))
+        if g is not None:
+            fail_if_mistake(name, case, expected, g, torch.nn.functional.softplus(d - m).mean(),
+                            "the sign is flipped: the loss must be small when r_chosen > r_rejected")
+            fail_if_mistake(name, case, expected, g, torch.nn.functional.softplus(-(d + m)).mean(),
+                            "the margin is subtracted from the difference: log sigmoid(r_w - r_l - m)")
+            fail_if_mistake(name, case, expected, g, torch.nn.functional.softplus(-(d - m)).sum(),
+                            "average over pairs (mean), do not sum")
+            if not np.isfinite(to_numpy(g)).all():
+                fail(name, case, expected, g, "log(sigmoid(x)) underflows to -inf for very negative x; "
+                     "use torch.nn.functional.logsigmoid")
+        assert_close(name, case, expected, g, atol=1e-5, rtol=1e-5,
+                     hint="loss = -mean(logsigmoid(r_chosen - r_rejected - margin))")
+    passed(name, len(cases))
+
+
+def _mask_cases(gen):
+    right = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+    left = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
+    holes = torch.tensor([[1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [0, 0, 0, 0, 1]])
+    return [("right-padded completions (pads after <eos>)", right),
+            ("bool mask", right.bool()),
+            ("padding on both sides", left),
+            ("masks with holes inside a row", holes)]
+
+
+def check_score_at_last_token(fn) -> None:
+    """``fn(values, mask) -> (B,)``: ``values[b, t_b]`` with ``t_b`` the last position where ``mask[b]`` is 1."""
+    from rlcourse.lm.reward_model import score_at_last_token as reference
+
+    name = "check_score_at_last_token"
+    gen = torch.Generator().manual_seed(81)
+    cases = _mask_cases(gen)
+    for case, mask in cases:
+        values = torch.randn(mask.shape, generator=gen)
+        values = torch.where(mask.bool(), values, torch.full_like(values, 1e3))   # pads hold loud values
+        before = [values.clone(), mask.clone()]
+        got = fn(values, mask)
+        _unchanged(name, case, before, [values, mask])
+        expected = reference(values, mask)
+        g = None if got is None else _plain(got)
+        if g is not None:
+            fail_if_mistake(name, case, expected, g, values[:, -1],
+                            "that is the last column, a pad for most rows: read the last position where mask is 1")
+            count = mask.long().sum(1) - 1
+            fail_if_mistake(name, case, expected, g, values.gather(1, count[:, None]).squeeze(1),
+                            "mask.sum() - 1 is the last real index only for right padding with no holes; "
+                            "find the largest index where mask is 1")
+        assert_close(name, case, expected, g, atol=1e-6,
+                     hint="e.g. idx = torch.where(mask.bool(), arange(T), -1).max(1).values; values.gather(1, idx)")
+    passed(name, len(cases))
+
+
+def check_kl_shaped_rewards(fn) -> None:
+    """``fn(scores, logprobs, ref_logprobs, mask, kl_coef) -> (B, T)``: ``-kl_coef * k1_t`` plus the score at the last real token."""
+    from rlcourse.lm.ppo_rlhf import kl_shaped_rewards as reference
+
+    name = "check_kl_shaped_rewards"
+    gen = torch.Generator().manual_seed(82)
+    cases = []
+    for i, (mask, coef) in enumerate([(torch.ones(2, 4, dtype=torch.long), 0.1),
+                                      (torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]), 0.05),
+                                      (torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0]]), 0.0),
+                                      (torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]), 2.0)]):
+        B, T = mask.shape
+        logp = (-3 * torch.rand(B, T, generator=gen)).requires_grad_(True)
+        ref = -3 * torch.rand(B, T, generator=gen)
+        scores = 2 * torch.randn(B, generator=gen)
+        cases.append((f"case {i}: mask {mask.tolist()}, kl_coef={coef} (padding holds non-zero log-probs)",
+                      scores, logp, ref, mask, coef))
+    for case, scores, logp, ref, mask, coef in cases:
+        before = [scores.clone(), logp.detach().clone(), ref.clone(), mask.clone()]
+        got = fn(scores, logp, ref, mask, coef)
+        _unchanged(name, case, before, [scores, logp.detach(), ref, mask])
+        if isinstance(got, tuple):
+            got = got[0]
+        expected, kl = reference(scores, logp, ref, mask, coef)
+        if getattr(got, "requires_grad", False):
+            fail(name, case, "rewards without a gradient", "a tensor that requires grad",
+                 "the KL penalty is part of the reward, a number: compute it from detached log-probs")
+        g = None if got is None else _plain(got)
+        m = mask.float()
+        if g is not None:
+            fail_if_mistake(name, case, expected, g, -coef * kl + scores[:, None] * m,
+                            "the score goes on the last real token only, not on every token")
+            fail_if_mistake(name, case, expected, g, (-coef * kl).index_put((torch.arange(len(scores)),
+                            torch.full((len(scores),), mask.shape[1] - 1)), scores, accumulate=True),
+                            "the score was put in the last column, a pad for short rows")
+            fail_if_mistake(name, case, expected, g, expected + 2 * coef * kl,
+                            "KL_t = log pi_old - log pi_ref; the reward subtracts kl_coef * KL_t")
+            fail_if_mistake(name, case, expected, g, expected - coef * (logp.detach() - ref) * (1 - m),
+                            "padding positions must be 0: multiply the KL by the mask")
+        assert_close(name, case, expected, g, atol=1e-5, rtol=1e-5,
+                     hint="r_t = -kl_coef * mask_t * (logprobs_t - ref_logprobs_t), plus the score at the last real token")
+    passed(name, len(cases))
+
+
+def check_token_gae(fn) -> None:
+    """``fn(rewards, values, mask, gamma, lam) -> (B, T)``: GAE over each row's real tokens, terminal after the last."""
+    from rlcourse.returns import gae
+
+    name = "check_token_gae"
+    gen = torch.Generator().manual_seed(83)
+    cases = []
+    for i, (mask, gamma, lam) in enumerate([(torch.ones(1, 4, dtype=torch.long), 1.0, 1.0),
+                                            (torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]), 1.0, 0.95),
+                                            (torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]]), 0.9, 0.5),
+                                            (torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]), 1.0, 0.0)]):
+        B, T = mask.shape
+        rewards = torch.randn(B, T, generator=gen) * mask
+        values = torch.randn(B, T, generator=gen) + 3.0 * (1 - mask)   # pads hold values: never bootstrap from them
+        cases.append((f"case {i}: mask {mask.tolist()}, gamma={gamma}, lam={lam}", rewards, values, mask, gamma, lam))
+    for case, rewards, values, mask, gamma, lam in cases:
+        before = [rewards.clone(), values.clone(), mask.clone()]
+        got = fn(rewards, values, mask, gamma, lam)
+        _unchanged(name, case, before, [rewards, values, mask])
+        expected = gae(rewards, values, gamma, lam, mask=mask)
+        g = None if got is None else _plain(got)
+        if g is not None:
+            nxt = torch.cat([values[:, 1:], torch.zeros(values.shape[0], 1)], 1)
+            leak = torch.zeros_like(rewards)
+            run = torch.zeros(rewards.shape[0])
+            for t in reversed(range(rewards.shape[1])):
+                run = rewards[:, t] + gamma * nxt[:, t] - values[:, t] + gamma * lam * run
+                leak[:, t] = run
+            fail_if_mistake(name, case, expected, g, leak * mask,
+                            "the last real token bootstrapped from the value after <eos> (a pad): "
+                            "the state after the last real token is terminal, V = 0")
+        assert_close(name, case, expected, g, atol=1e-5, rtol=1e-5,
+                     hint="delta_t = r_t + gamma V_{t+1} - V_t with V = 0 after the last real token; "
+                          "A_t = delta_t + gamma lam A_{t+1}, backwards; 0 on padding")
+    passed(name, len(cases))
+
+
+def check_eos_experiment(fn) -> None:
+    """``fn(missing_eos_penalty) -> float``: the share of completions that end with ``<eos>`` after a short
+    PPO run with ``response_length=5``; the penalty must raise it by at least 0.3 (measured)."""
+    name = "check_eos_experiment"
+    without = fn(None)
+    with_penalty = fn(1.0)
+    for label, value in (("missing_eos_penalty=None", without), ("missing_eos_penalty=1.0", with_penalty)):
+        if not isinstance(value, (float, int, np.floating)) or not 0.0 <= float(value) <= 1.0:
+            fail(name, label, "a share of completions in [0, 1]", value,
+                 "return the fraction of the last batch's completions that produced <eos>")
+    if not float(with_penalty) >= float(without) + 0.3:
+        fail(name, "the measured effect of the EOS trick", "with the penalty at least 0.3 more completions ended",
+             f"{float(without):.2f} without, {float(with_penalty):.2f} with",
+             "pass missing_eos_penalty to PPOConfig, use response_length=5, and measure the share of "
+             "completions that ended (val/num_eos_tokens / batch_size) at the end of the run")
+    print(f"✔ {name}: the EOS trick raised the share of finished completions by at least 0.3")

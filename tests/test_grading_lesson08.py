@@ -1,0 +1,129 @@
+"""The lesson-08 checks pass the reference answers and catch plausible mistakes."""
+import copy
+
+import rlcourse  # noqa: F401  (before torch)
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlcourse.grading import (CheckFailed, check_bradley_terry_loss, check_eos_experiment,
+                              check_kl_shaped_rewards, check_score_at_last_token, check_token_gae)
+from rlcourse.lm.ppo_rlhf import kl_shaped_rewards
+from rlcourse.lm.reward_model import score_at_last_token
+from rlcourse.losses import bradley_terry_loss
+from rlcourse.returns import gae
+
+
+def _fails(check, fn, *args, match=None):
+    with pytest.raises(CheckFailed, match=match):
+        check(fn, *args)
+
+
+def test_bradley_terry(capsys):
+    check_bradley_terry_loss(bradley_terry_loss)
+    assert "check_bradley_terry_loss: all" in capsys.readouterr().out
+    _fails(check_bradley_terry_loss, lambda c, r, m=None: -torch.log(torch.sigmoid(c - r - (0 if m is None else m))).mean(),
+           match="logsigmoid")
+    _fails(check_bradley_terry_loss, lambda c, r, m=None: -F.logsigmoid(r - c - (0 if m is None else m)).mean(),
+           match="sign")
+    _fails(check_bradley_terry_loss, lambda c, r, m=None: -F.logsigmoid(c - r + (0 if m is None else m)).mean(),
+           match="margin")
+    _fails(check_bradley_terry_loss, lambda c, r, m=None: -F.logsigmoid(c - r - (0 if m is None else m)).sum(),
+           match="mean")
+    _fails(check_bradley_terry_loss, lambda c, r, m=None: -F.logsigmoid(c - r).mean())   # margin ignored
+
+    def in_place(c, r, m=None):
+        c -= r
+        return -F.logsigmoid(c - (0 if m is None else m)).mean()
+    _fails(check_bradley_terry_loss, in_place, match="in place")
+
+
+def test_score_at_last_token(capsys):
+    check_score_at_last_token(score_at_last_token)
+    assert "all" in capsys.readouterr().out
+    _fails(check_score_at_last_token, lambda v, m: v[:, -1], match="last column")
+    _fails(check_score_at_last_token, lambda v, m: v.gather(1, (m.long().sum(1) - 1)[:, None]).squeeze(1),
+           match="mask.sum")
+    _fails(check_score_at_last_token, lambda v, m: (v * m).sum(1))
+    _fails(check_score_at_last_token, lambda v, m: v[torch.arange(len(v)), m.long().argmax(1)])   # first real token
+
+
+def test_kl_shaped_rewards(capsys):
+    check_kl_shaped_rewards(lambda s, lp, ref, m, c: kl_shaped_rewards(s, lp, ref, m, c)[0])
+    assert "all" in capsys.readouterr().out
+    reference = lambda s, lp, ref, m, c: kl_shaped_rewards(s, lp, ref, m, c)[0]  # noqa: E731
+    _fails(check_kl_shaped_rewards, lambda s, lp, ref, m, c: -c * (lp - ref) * m + s[:, None] * 0
+           + reference(s, lp, ref, m, 0.0), match="gradient")
+    _fails(check_kl_shaped_rewards, lambda s, lp, ref, m, c: (-c * (lp.detach() - ref) + s[:, None]) * m,
+           match="every token")
+
+    def last_column(s, lp, ref, m, c):
+        r = -c * (lp.detach() - ref) * m
+        r[:, -1] += s
+        return r
+    _fails(check_kl_shaped_rewards, last_column, match="last column")
+    _fails(check_kl_shaped_rewards, lambda s, lp, ref, m, c: reference(s, lp, ref, m, -c), match="KL_t")
+    _fails(check_kl_shaped_rewards, lambda s, lp, ref, m, c: reference(s, lp, ref, m, c)
+           - c * (lp.detach() - ref) * (1 - m.float()), match="padding")
+    _fails(check_kl_shaped_rewards, lambda s, lp, ref, m, c: reference(s, ref, lp.detach(), m, c))  # ratio inverted
+
+
+def test_token_gae(capsys):
+    check_token_gae(lambda r, v, m, g, lam: gae(r, v, g, lam, mask=m))
+    assert "all" in capsys.readouterr().out
+
+    def leaky(r, v, m, g, lam):   # bootstraps from the value in the pad after <eos>
+        nxt = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], 1)
+        delta = r + g * nxt - v
+        out, run = torch.zeros_like(r), torch.zeros(r.shape[0])
+        for t in reversed(range(r.shape[1])):
+            run = delta[:, t] + g * lam * run
+            out[:, t] = run
+        return out * m
+    _fails(check_token_gae, leaky, match="terminal")
+    _fails(check_token_gae, lambda r, v, m, g, lam: gae(r, v, g, 1.0, mask=m))      # lambda ignored
+    _fails(check_token_gae, lambda r, v, m, g, lam: gae(r, v, g, lam, mask=m) + v * m)  # returns, not advantages
+    _fails(check_token_gae, lambda r, v, m, g, lam: gae(r, v, g, lam))                # no mask
+
+
+@pytest.fixture(scope="module")
+def eos_setup():
+    from rlcourse.lm import PreferenceTask, load_checkpoint
+    from rlcourse.lm.reward_model import ScalarHeadModel, train_reward_model
+
+    task = PreferenceTask()
+    policy, tok = load_checkpoint("preference-sft", device="cpu")
+    torch.manual_seed(0)
+    rm = ScalarHeadModel(policy)
+    train_reward_model(rm, tok, task.preference_pairs(1000, rng=1), steps=50, lr=3e-3, progress=False)
+    return task, policy, tok, rm
+
+
+def test_eos_experiment(eos_setup, capsys):
+    from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer
+    from rlcourse.lm.value_model import make_value_model
+
+    task, policy, tok, rm = eos_setup
+
+    def run(penalty, honour_penalty=True):
+        torch.manual_seed(0)
+        config = PPOConfig(batch_size=32, response_length=5,
+                           missing_eos_penalty=penalty if honour_penalty else None)
+        trainer = PPORLHFTrainer(config, copy.deepcopy(policy), tok, rm, make_value_model("reward", reward_model=rm),
+                                 task.prompts)
+        return trainer.train(6, progress=False)[-1]["val/num_eos_tokens"] / config.batch_size
+
+    check_eos_experiment(run)
+    assert "EOS trick" in capsys.readouterr().out
+    _fails(check_eos_experiment, lambda p: run(p, honour_penalty=False), match="measured effect")
+    _fails(check_eos_experiment, lambda p: 32 * run(p), match="share")
+
+
+def test_unfinished_exercises_raise_not_implemented():
+    def todo(*args):
+        raise NotImplementedError
+    for check in (check_bradley_terry_loss, check_score_at_last_token, check_kl_shaped_rewards, check_token_gae):
+        with pytest.raises(NotImplementedError):
+            check(todo)
+    with pytest.raises(NotImplementedError):
+        check_eos_experiment(todo)
