@@ -140,3 +140,25 @@ def test_bad_pairs_are_named(checkpoint):
         check_preference_pairs(tok, [{"prompt": "ab:", "chosen": "a"}])
     with pytest.raises(ValueError, match="outside"):
         check_preference_pairs(tok, [{"prompt": "ab:", "chosen": "a", "rejected": "€"}])
+
+
+def test_reward_and_kl_agrees_with_the_plain_log_ratio_estimate(checkpoint):
+    """The chain-rule KL (exact per-token KL summed along samples) and the unbiased sequence
+    log-ratio k1 estimate the same KL(pi || pi_ref): they agree within the latter's noise."""
+    ref, tok = checkpoint
+    policy = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    task = PreferenceTask()
+    prompts = task.test_prompts(64) * 16
+    _, kl = reward_and_kl(policy, ref, tok, task, prompts, generator=torch.Generator().manual_seed(1))
+    roll = sample(policy, tok, prompts, task.max_new_tokens, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref_logps = sequence_logprobs(ref, roll.prompt_ids, roll.completion_ids, roll.completion_mask,
+                                      roll.prompt_mask).sum(-1)
+    k1 = roll.logprobs.sum(-1) - ref_logps
+    stderr = float(k1.std()) / len(prompts) ** 0.5
+    assert kl > 0.05
+    assert abs(kl - float(k1.mean())) < 4 * stderr + 1e-3
