@@ -37,3 +37,8 @@ from rlcourse.lm.value_model import make_value_model  # noqa: E402
 
 __all__ += ["PPOConfig", "PPORLHFTrainer", "ScalarHeadModel", "best_of_n", "best_of_n_kl", "make_value_model",
             "score_completions", "train_reward_model"]
+
+# Lesson 11: DPO.
+from rlcourse.lm.dpo import DPOConfig, train_dpo  # noqa: E402
+
+__all__ += ["DPOConfig", "train_dpo"]

@@ -1,0 +1,173 @@
+"""Checks for lesson 11 (DPO): the DPO loss, the implicit reward, the IPO loss, and fitting DPO on
+the categorical bandit (an experiment judged by the KL to the closed-form optimum it reaches).
+
+The cases expose the usual slips: ``beta`` forgotten or applied twice, the reference log-probs
+left out, chosen and rejected swapped, ``-log(sigmoid(z))`` overflowing for confident pairs, a
+batch mean where one loss per pair is expected, IPO's target written as ``1/beta``, inputs
+modified in place.
+"""
+from __future__ import annotations
+
+import torch
+
+from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy
+
+__all__ = ["check_dpo_loss", "check_implicit_reward", "check_ipo_loss", "check_fit_dpo_policy"]
+
+
+def _grad_free(x):
+    return x.detach() if hasattr(x, "detach") else x
+
+
+def _pair_cases(seed: int):
+    """(case, chosen, rejected, ref_chosen, ref_rejected, beta) with float64 sequence log-probs."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def logps(n, scale=6.0):
+        return -scale * torch.rand(n, generator=gen, dtype=torch.float64)
+
+    one = lambda v: torch.tensor([v], dtype=torch.float64)  # noqa: E731
+    cases = [("one pair, policy equal to the reference (loss log 2)", one(-3.0), one(-5.0), one(-3.0), one(-5.0), 0.1)]
+    for i, beta in enumerate([0.1, 0.5, 2.0]):
+        cases.append((f"random batch #{i} of 8 pairs, beta={beta}", logps(8), logps(8), logps(8), logps(8), beta))
+    # A reference very different from the policy: forgetting it changes everything.
+    cw, cl = logps(6), logps(6)
+    cases.append(("reference far from the policy, beta=0.3", cw, cl, cw - 4.0, cl + 3.0, 0.3))
+    # Confident pairs: beta * h = +-2000. -log(sigmoid) overflows to inf on the wrong side.
+    big = torch.tensor([4000.0, -4000.0, 0.0], dtype=torch.float64)
+    zero = torch.zeros(3, dtype=torch.float64)
+    cases.append(("extreme margins (beta*h = +2000 and -2000)", big, zero.clone(), zero.clone(), zero.clone(), 0.5))
+    cases.append(("integer beta=1", logps(4), logps(4), logps(4), logps(4), 1))
+    return cases
+
+
+def _call_checked(name, case, fn, *tensors_then_rest):
+    """Call ``fn`` on clones of the tensors and fail if any was modified in place."""
+    tensors = [t.clone() for t in tensors_then_rest if torch.is_tensor(t)]
+    rest = [a for a in tensors_then_rest if not torch.is_tensor(a)]
+    before = [t.clone() for t in tensors]
+    got = fn(*tensors, *rest)
+    if not all(torch.equal(a, b) for a, b in zip(before, tensors)):
+        fail(name, case, "inputs left unchanged", "an input tensor was modified in place",
+             "build new tensors (e.g. `a - b`) instead of writing into the arguments (`a -= b`)")
+    return got
+
+
+def check_dpo_loss(fn) -> None:
+    """``fn(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta) -> (B,)``:
+    ``-log sigmoid(beta * ([log pi(y_w) - log pi_ref(y_w)] - [log pi(y_l) - log pi_ref(y_l)]))``, one per pair."""
+    from rlcourse.losses import dpo_sigmoid_loss
+
+    name = "check_dpo_loss"
+    cases = _pair_cases(110)
+    for case, cw, cl, rw, rl, beta in cases:
+        got = _call_checked(name, case, fn, cw, cl, rw, rl, beta)
+        expected = dpo_sigmoid_loss(cw, cl, rw, rl, beta)
+        h = (cw - rw) - (cl - rl)
+        received = to_numpy(_grad_free(got)) if got is not None else None
+        if received is not None and received.shape == ():
+            fail(name, case, f"one loss per pair, shape {tuple(expected.shape)}", "a single number",
+                 "return the per-pair losses; the trainer takes the mean")
+        for mistake, hint in [
+            (-torch.nn.functional.logsigmoid(h), "beta is missing: the implicit reward is beta * log-ratio"),
+            (-torch.nn.functional.logsigmoid(beta * (cw - cl)),
+             "the reference log-probs are missing: use log pi - log pi_ref for each answer"),
+            (-torch.nn.functional.logsigmoid(-beta * h), "chosen and rejected are swapped: the chosen answer must win"),
+            (torch.nn.functional.logsigmoid(beta * h), "the sign: the loss is MINUS log sigmoid (a negative log-likelihood)"),
+            (-torch.nn.functional.logsigmoid(h / beta), "beta multiplies the log-ratio margin, it does not divide it"),
+        ]:
+            fail_if_mistake(name, case, expected, _grad_free(got), mistake, hint)
+        hint = "loss = -logsigmoid(beta * h), h = (chosen - ref_chosen) - (rejected - ref_rejected)"
+        if received is not None and not torch.isfinite(torch.as_tensor(received)).all():
+            hint = ("-log(sigmoid(z)) overflows for very negative z: use torch.nn.functional.logsigmoid, "
+                    "which is computed stably")
+        assert_close(name, case, expected, _grad_free(got), hint=hint, atol=1e-7, rtol=1e-7)
+    passed(name, len(cases))
+
+
+def check_implicit_reward(fn) -> None:
+    """``fn(policy_logps, ref_logps, beta) -> tensor``: ``beta * (log pi(y|x) - log pi_ref(y|x))``."""
+    from rlcourse.losses import dpo_implicit_reward
+
+    name = "check_implicit_reward"
+    gen = torch.Generator().manual_seed(111)
+    cases = [("policy equal to the reference (reward 0)", torch.tensor([-2.0, -7.0]), torch.tensor([-2.0, -7.0]), 0.1)]
+    for i, beta in enumerate([0.1, 0.5, 3.0]):
+        cases.append((f"random log-probs #{i}, beta={beta}", -5 * torch.rand(6, generator=gen, dtype=torch.float64),
+                      -5 * torch.rand(6, generator=gen, dtype=torch.float64), beta))
+    cases.append(("very unlikely sequences (log-probs near -1e4)", torch.tensor([-1.0e4, -2.0e4], dtype=torch.float64),
+                  torch.tensor([-1.0001e4, -1.9e4], dtype=torch.float64), 0.2))
+    for case, logp, ref, beta in cases:
+        got = _call_checked(name, case, fn, logp, ref, beta)
+        expected = dpo_implicit_reward(logp, ref, beta)
+        for mistake, hint in [((logp - ref), "beta is missing: r_hat = beta * (log pi - log pi_ref)"),
+                              (beta * (ref - logp), "the sign: log pi - log pi_ref, the policy first"),
+                              ((logp - ref) / beta, "multiply by beta, do not divide"),
+                              (beta * logp, "subtract the reference log-prob")]:
+            fail_if_mistake(name, case, expected, _grad_free(got), mistake, hint)
+        assert_close(name, case, expected, _grad_free(got), hint="r_hat = beta * (log pi - log pi_ref)",
+                     atol=1e-7, rtol=1e-7)
+    passed(name, len(cases))
+
+
+def check_ipo_loss(fn) -> None:
+    """``fn(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta) -> (B,)``:
+    ``(h - 1 / (2 beta))^2`` per pair, ``h`` the log-ratio margin (sequence-level, no length normalisation)."""
+    from rlcourse.losses import ipo_loss
+
+    name = "check_ipo_loss"
+    cases = [c for c in _pair_cases(112) if "extreme" not in c[0]]
+    # a pair exactly at the target: loss 0
+    cases.append(("a pair exactly at the target margin 1/(2 beta) = 2.5", torch.tensor([-1.0], dtype=torch.float64),
+                  torch.tensor([-3.5], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+                  torch.zeros(1, dtype=torch.float64), 0.2))
+    for case, cw, cl, rw, rl, beta in cases:
+        got = _call_checked(name, case, fn, cw, cl, rw, rl, beta)
+        expected = ipo_loss(cw, cl, rw, rl, beta)
+        h = (cw - rw) - (cl - rl)
+        for mistake, hint in [((h - 1 / beta) ** 2, "the target is 1 / (2 beta), not 1 / beta"),
+                              ((beta * h - 1 / (2 * beta)) ** 2,
+                               "IPO regresses the log-ratio margin h itself, not beta * h"),
+                              ((h + 1 / (2 * beta)) ** 2, "the chosen answer must be AHEAD by 1/(2 beta): h - 1/(2 beta)"),
+                              ((h - 1 / (2 * beta)), "square the difference"),
+                              (((cw - cl) - 1 / (2 * beta)) ** 2, "the reference log-probs are missing")]:
+            fail_if_mistake(name, case, expected, _grad_free(got), mistake, hint)
+        assert_close(name, case, expected, _grad_free(got), hint="(h - 1/(2 beta))^2, h = the log-ratio margin",
+                     atol=1e-7, rtol=1e-7)
+    passed(name, len(cases))
+
+
+def check_fit_dpo_policy(fn) -> None:
+    """``fn(bandit, pairs, beta) -> (P, K)`` log-probs of a tabular policy fitted by DPO.
+
+    Judged by what it measures: on 20000 Bradley-Terry comparisons its KL to the closed-form
+    optimum ``pi* = pi_ref exp(r / beta) / Z`` must be below 0.01 nats per prompt (the
+    reference solution reaches about 0.001).
+    """
+    from rlcourse.preference_oracle import CategoricalBandit
+
+    name = "check_fit_dpo_policy"
+    cases = [(CategoricalBandit.random(n_prompts=3, n_answers=4, reward_scale=1.5, seed=11), 0.5, 5),
+             (CategoricalBandit.random(n_prompts=2, n_answers=5, reward_scale=1.0, seed=12), 1.0, 6)]
+    for bandit, beta, data_seed in cases:
+        case = f"{bandit.n_prompts} prompts x {bandit.n_answers} answers, beta={beta}, 20000 pairs"
+        pairs = bandit.sample_pairs(20000, rng=data_seed)
+        got = fn(bandit, {k: v.clone() for k, v in pairs.items()}, beta)
+        if got is None:
+            fail(name, case, "a (P, K) tensor of log-probs", None, "did you forget `return`?")
+        got = torch.as_tensor(_grad_free(got), dtype=torch.float64)
+        if got.shape != bandit.ref_logprobs.shape:
+            fail(name, case, f"shape {tuple(bandit.ref_logprobs.shape)}", f"shape {tuple(got.shape)}",
+                 "return log-probs, one row per prompt and one column per answer")
+        if not torch.allclose(got.exp().sum(-1), torch.ones(bandit.n_prompts, dtype=torch.float64), atol=1e-6):
+            fail(name, case, "rows of log-probs (exp sums to 1)", got.exp().sum(-1),
+                 "return torch.log_softmax(logits, -1), not the logits")
+        kl = float(bandit.kl(got, bandit.optimal_logprobs(beta)).mean())
+        if not kl < 0.01:
+            hint = "train longer or with a larger learning rate (full-batch Adam, a few hundred steps)"
+            if float(bandit.kl(got).mean()) < 1e-6:
+                hint = "the policy never left pi_ref: is the optimiser stepping on the logits you return?"
+            elif float(bandit.kl(got, torch.log_softmax(bandit.reward / beta, -1)).mean()) < kl:
+                hint = "it looks like the reference was left out of the log-ratios"
+            fail(name, case, "KL(pi_fit || pi*) < 0.01", f"KL = {kl:.4f}", hint)
+    passed(name, len(cases))

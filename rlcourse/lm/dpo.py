@@ -1,0 +1,246 @@
+"""A thin DPO trainer for any ``transformers`` causal LM, with TRL's ``DPOConfig`` names.
+
+Pseudocode (Rafailov et al. 2023, arXiv 2305.18290): no sampling, no reward model, no value
+function, only the log-probs of fixed pairs under two models:
+
+    for each batch of pairs (x, y_w, y_l):
+        log pi(y|x)     = sum_t log pi_theta(y_t | x, y_<t)        for y in (y_w, y_l), one forward
+        log pi_ref(y|x) = the same under the frozen reference      (or read from a precomputed table)
+        loss = preference_loss(..., beta, loss_type, loss_weights, label_smoothing)
+        AdamW step (gradient clipped), learning rate decayed linearly to 0
+
+Every formula lives in :mod:`rlcourse.losses.dpo`; this module only encodes the pairs, runs the
+forward passes and logs what TRL's ``DPOTrainer`` logs, under the same names: ``loss``,
+``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``,
+``logps/chosen``, ``logps/rejected``.
+
+Encoding is the reward model's (:func:`rlcourse.lm.reward_model.encode_preference_pairs`, lesson
+08): ``<bos> prompt`` left-padded as the sampler does, each completion followed by ``<eos>`` and
+right-padded, chosen rows then rejected rows; position ids come from the attention mask, so the
+log-probs are the ones :func:`rlcourse.lm.sample` gives the same tokens.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from rlcourse.kl import exact_kl
+from rlcourse.losses.dpo import LOSS_TYPES, dpo_implicit_reward, preference_loss
+from rlcourse.lm.logprobs import next_token_logprobs, sequence_logprobs
+from rlcourse.lm.reward_model import encode_preference_pairs
+from rlcourse.lm.sampling import sample
+from rlcourse.lm.tokenizer import check_encodable
+
+__all__ = ["DPOConfig", "check_preference_pairs", "select_pairs", "pair_token_logprobs", "dpo_metrics", "train_dpo",
+           "reward_and_kl"]
+
+
+@dataclass
+class DPOConfig:
+    """Settings named as TRL's ``DPOConfig``; defaults are TRL 1.16's except where noted.
+
+    * ``beta`` (0.1): strength of the KL regularisation, the inverse temperature of the implicit reward.
+    * ``loss_type`` ("sigmoid"): one of ``sigmoid``, ``hinge``, ``ipo``, ``robust``, ``sft`` or a list.
+    * ``loss_weights`` (None = 1 each): one weight per loss type, e.g. ``["sigmoid", "sft"], [1, 1]``.
+    * ``label_smoothing`` (0): the assumed label-flip rate of the ``robust`` loss.
+    * ``learning_rate``: **1e-4** here, TRL's default is 1e-6 (for billion-parameter models; a
+      100k-parameter GPT barely moves at 1e-6).
+    * ``per_device_train_batch_size`` (8), ``num_train_epochs`` (3), ``max_steps`` (-1: use epochs),
+      ``max_grad_norm`` (1.0), ``weight_decay`` (0.0), ``lr_scheduler_type`` ("linear" or "constant"),
+      ``precompute_ref_log_probs`` (False), ``seed`` (42), ``logging_steps`` (bar refresh only:
+      every step is recorded).
+    """
+
+    beta: float = 0.1
+    loss_type: str | list[str] = "sigmoid"
+    loss_weights: list[float] | None = None
+    label_smoothing: float = 0.0
+    learning_rate: float = 1e-4
+    per_device_train_batch_size: int = 8
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    lr_scheduler_type: str = "linear"
+    precompute_ref_log_probs: bool = False
+    seed: int = 42
+    logging_steps: int = 10
+    loss_types: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.loss_types = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
+        for t in self.loss_types:
+            if t not in LOSS_TYPES:
+                raise ValueError(f"loss_type must be one of {LOSS_TYPES} (or a list of them), got {t!r}")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_types):
+            raise ValueError(f"loss_weights must have one weight per loss type ({len(self.loss_types)}), "
+                             f"got {self.loss_weights!r}")
+        if not self.beta > 0:
+            raise ValueError(f"beta must be > 0, got {self.beta!r}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
+        if not isinstance(self.per_device_train_batch_size, int) or self.per_device_train_batch_size < 1:
+            raise ValueError(f"per_device_train_batch_size must be a positive integer, "
+                             f"got {self.per_device_train_batch_size!r}")
+        if self.lr_scheduler_type not in ("linear", "constant"):
+            raise ValueError(f"lr_scheduler_type must be 'linear' or 'constant', got {self.lr_scheduler_type!r}")
+        if self.max_steps == 0 or (self.max_steps < 0 and not self.num_train_epochs > 0):
+            raise ValueError("set max_steps > 0 or num_train_epochs > 0")
+
+
+def check_preference_pairs(tokenizer, pairs: list[dict]) -> None:
+    """Raise a ``ValueError`` naming the first malformed ``{"prompt", "chosen", "rejected"}`` row."""
+    if not isinstance(pairs, (list, tuple)) or not pairs:
+        raise ValueError("pairs must be a non-empty list of {'prompt', 'chosen', 'rejected'} dicts")
+    for i, row in enumerate(pairs):
+        if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("prompt", "chosen", "rejected")):
+            raise ValueError(f"pairs[{i}] must be a dict with string 'prompt', 'chosen' and 'rejected', got {row!r}")
+    check_encodable(tokenizer, [r["prompt"] + r["chosen"] + r["rejected"] for r in pairs], "pairs")
+
+
+def select_pairs(data: dict, idx: torch.Tensor) -> dict:
+    """Pairs ``idx`` of :func:`rlcourse.lm.reward_model.encode_preference_pairs`' layout (all chosen
+    rows, then all rejected rows), in the same layout, with the columns that are all padding dropped."""
+    n = data["prompt_ids"].shape[0] // 2
+    both = torch.cat([idx, idx + n])
+    batch = {k: v[both] for k, v in data.items()}
+    keep_prompt, keep_completion = batch["prompt_mask"].any(0), batch["completion_mask"].any(0)
+    for k, keep in (("prompt_ids", keep_prompt), ("prompt_mask", keep_prompt),
+                    ("completion_ids", keep_completion), ("completion_mask", keep_completion)):
+        batch[k] = batch[k][:, keep]
+    return batch
+
+
+def pair_token_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs (B, T) of the chosen and of the rejected completions, 0 on padding.
+
+    One forward over the stacked ``[chosen; rejected]`` rows (as TRL does).
+    """
+    logp = sequence_logprobs(model, batch["prompt_ids"], batch["completion_ids"], batch["completion_mask"],
+                             batch["prompt_mask"])
+    return logp.chunk(2, dim=0)
+
+
+def dpo_metrics(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float) -> dict:
+    """TRL's ``DPOTrainer`` metrics of one batch (means over its pairs), as floats."""
+    with torch.no_grad():
+        chosen = dpo_implicit_reward(chosen_logps.detach(), ref_chosen_logps, beta)
+        rejected = dpo_implicit_reward(rejected_logps.detach(), ref_rejected_logps, beta)
+        return {"rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
+                "rewards/accuracies": (chosen > rejected).float().mean().item(),
+                "rewards/margins": (chosen - rejected).mean().item(),
+                "logps/chosen": chosen_logps.detach().mean().item(),
+                "logps/rejected": rejected_logps.detach().mean().item()}
+
+
+@torch.no_grad()
+def _reference_logps(ref_model, batch: dict, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence log-probs (B,) of chosen and rejected under the reference, in chunks."""
+    chosen, rejected = [], []
+    n = batch["prompt_ids"].shape[0] // 2
+    for i in range(0, n, batch_size):
+        rows = torch.arange(i, min(i + batch_size, n), device=batch["prompt_ids"].device)
+        c, r = pair_token_logprobs(ref_model, select_pairs(batch, rows))
+        chosen.append(c.sum(-1))
+        rejected.append(r.sum(-1))
+    return torch.cat(chosen), torch.cat(rejected)
+
+
+def train_dpo(model, tokenizer, pairs: list[dict], args: DPOConfig | None = None, ref_model=None,
+              progress: bool = True) -> dict:
+    """Train ``model`` in place by DPO on preference ``pairs``; return the per-step history.
+
+    ``ref_model`` defaults to a frozen copy of ``model`` as it is now. With
+    ``args.precompute_ref_log_probs`` the reference log-probs of every pair are computed once up
+    front (and the copy is dropped). Dropout is off during training (TRL's ``disable_dropout``).
+    History: ``{"step": [...], "loss": [...], "learning_rate": [...], "rewards/chosen": [...], ...,
+    "seconds": float}``.
+    """
+    args = args or DPOConfig()
+    dev = next(model.parameters()).device
+    check_preference_pairs(tokenizer, pairs)
+    data = encode_preference_pairs(tokenizer, pairs, dev)   # lesson 08's layout: chosen rows, then rejected
+    n = len(pairs)
+    bs = args.per_device_train_batch_size
+    steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * math.ceil(n / bs))
+    if ref_model is None:
+        ref_model = copy.deepcopy(model)
+    ref_model.eval()  # its forwards run under no_grad
+    ref_table = None
+    if args.precompute_ref_log_probs:
+        ref_table = _reference_logps(ref_model, data, max(bs, 64))
+        ref_model = None  # not needed any more: free the copy
+
+    model.eval()  # no dropout: the policy and its reference must score tokens the same way
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                            weight_decay=args.weight_decay)
+    decay = (lambda s: 1.0 - s / steps) if args.lr_scheduler_type == "linear" else (lambda s: 1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+    gen = torch.Generator().manual_seed(args.seed)
+    order = torch.empty(0, dtype=torch.long)
+    keys = ["loss", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+            "rewards/margins", "logps/chosen", "logps/rejected"]
+    history = {"step": [], **{k: [] for k in keys}}
+    start = time.perf_counter()
+    bar = tqdm(range(steps), desc=f"DPO ({'+'.join(args.loss_types)}, beta={args.beta})", disable=not progress)
+    for step in bar:
+        if order.numel() == 0:  # a new epoch: a fresh shuffle of the pairs
+            order = torch.randperm(n, generator=gen)
+        idx, order = order[:bs].to(dev), order[bs:]
+        batch = select_pairs(data, idx)   # padding-only columns dropped: a shorter forward, same numbers
+        chosen_mask, rejected_mask = batch["completion_mask"].chunk(2, dim=0)
+        chosen_tok, rejected_tok = pair_token_logprobs(model, batch)
+        chosen_logps, rejected_logps = chosen_tok.sum(-1), rejected_tok.sum(-1)
+        if ref_table is not None:
+            ref_chosen, ref_rejected = ref_table[0][idx], ref_table[1][idx]
+        else:
+            ref_chosen, ref_rejected = _reference_logps(ref_model, batch, bs)
+        loss = preference_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, beta=args.beta,
+                               loss_type=args.loss_types, loss_weights=args.loss_weights,
+                               label_smoothing=args.label_smoothing,
+                               chosen_lengths=chosen_mask.sum(1), rejected_lengths=rejected_mask.sum(1),
+                               chosen_token_logps=chosen_tok, chosen_mask=chosen_mask)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"DPO loss is {loss.item()} at step {step}: lower learning_rate or check the data")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        history["learning_rate"].append(schedule.get_last_lr()[0])
+        opt.step()
+        schedule.step()
+
+        history["step"].append(step + 1)
+        history["loss"].append(loss.item())
+        for k, v in dpo_metrics(chosen_logps, rejected_logps, ref_chosen, ref_rejected, args.beta).items():
+            history[k].append(v)
+        if step % max(1, args.logging_steps) == 0 or step == steps - 1:
+            bar.set_postfix(loss=f"{loss.item():.3f}", margin=f"{history['rewards/margins'][-1]:.2f}",
+                            acc=f"{history['rewards/accuracies'][-1]:.2f}")
+    history["seconds"] = time.perf_counter() - start
+    return history
+
+
+@torch.no_grad()
+def reward_and_kl(model, ref_model, tokenizer, task, prompts: list[str], max_new_tokens: int | None = None,
+                  generator: torch.Generator | None = None) -> tuple[float, float]:
+    """Mean task reward of completions sampled from ``model`` (temperature 1) and ``KL(pi || pi_ref)``.
+
+    The KL of whole completions is estimated without the noise of a log-ratio: along each sampled
+    completion the exact next-token KL is summed over its real tokens,
+    ``KL(pi || pi_ref) = E_{y~pi} [ sum_t KL(pi(.|x, y_<t) || pi_ref(.|x, y_<t)) ]`` (the chain rule
+    of KL), then averaged over prompts.
+    """
+    roll = sample(model, tokenizer, prompts, max_new_tokens or task.max_new_tokens, generator=generator)
+    reward = task.reward(roll.prompts or list(prompts), roll.completions).float().mean().item()
+    logp = next_token_logprobs(model, roll.prompt_ids, roll.completion_ids, roll.prompt_mask)
+    logq = next_token_logprobs(ref_model, roll.prompt_ids, roll.completion_ids, roll.prompt_mask)
+    per_token = exact_kl(logp, logq) * roll.completion_mask.to(logp.dtype)
+    return reward, per_token.sum(-1).mean().item()

@@ -1,0 +1,206 @@
+"""Lesson 11's checks pass the reference answers and catch each plausible wrong answer."""
+import re
+
+import pytest
+
+import rlcourse  # noqa: F401  (before torch)
+import torch
+import torch.nn.functional as F
+
+from rlcourse.grading import CheckFailed
+from rlcourse.grading.lesson11 import (check_dpo_loss, check_fit_dpo_policy, check_implicit_reward,
+                                       check_ipo_loss)
+from rlcourse.preference_oracle import train_tabular_policy
+
+
+# --- the DPO loss ------------------------------------------------------------------------------
+
+def dpo_ok(cw, cl, rw, rl, beta):
+    return -F.logsigmoid(beta * ((cw - rw) - (cl - rl)))
+
+
+def dpo_ok_softplus(cw, cl, rw, rl, beta):
+    return F.softplus(-beta * ((cw - rw) - (cl - rl))).numpy()     # NumPy is fine too
+
+
+def dpo_no_beta(cw, cl, rw, rl, beta):
+    return -F.logsigmoid((cw - rw) - (cl - rl))
+
+
+def dpo_no_reference(cw, cl, rw, rl, beta):
+    return -F.logsigmoid(beta * (cw - cl))
+
+
+def dpo_swapped(cw, cl, rw, rl, beta):
+    return -F.logsigmoid(beta * ((cl - rl) - (cw - rw)))
+
+
+def dpo_wrong_sign(cw, cl, rw, rl, beta):
+    return F.logsigmoid(beta * ((cw - rw) - (cl - rl)))
+
+
+def dpo_divides_beta(cw, cl, rw, rl, beta):
+    return -F.logsigmoid(((cw - rw) - (cl - rl)) / beta)
+
+
+def dpo_unstable(cw, cl, rw, rl, beta):
+    return -torch.log(torch.sigmoid(beta * ((cw - rw) - (cl - rl))))
+
+
+def dpo_batch_mean(cw, cl, rw, rl, beta):
+    return dpo_ok(cw, cl, rw, rl, beta).mean()
+
+
+def dpo_in_place(cw, cl, rw, rl, beta):
+    cw -= rw
+    cl -= rl
+    return -F.logsigmoid(beta * (cw - cl))
+
+
+def dpo_forgot_return(cw, cl, rw, rl, beta):
+    dpo_ok(cw, cl, rw, rl, beta)
+
+
+# --- the implicit reward -----------------------------------------------------------------------
+
+def reward_ok(logp, ref, beta):
+    return beta * (logp - ref)
+
+
+def reward_no_beta(logp, ref, beta):
+    return logp - ref
+
+
+def reward_reversed(logp, ref, beta):
+    return beta * (ref - logp)
+
+
+def reward_divides(logp, ref, beta):
+    return (logp - ref) / beta
+
+
+def reward_no_reference(logp, ref, beta):
+    return beta * logp
+
+
+def reward_ratio_of_probs(logp, ref, beta):   # underflows: exp(-1e4) = 0
+    return beta * torch.log(torch.exp(logp) / torch.exp(ref))
+
+
+# --- IPO ----------------------------------------------------------------------------------------
+
+def ipo_ok(cw, cl, rw, rl, beta):
+    return ((cw - rw) - (cl - rl) - 1 / (2 * beta)) ** 2
+
+
+def ipo_target_one_over_beta(cw, cl, rw, rl, beta):
+    return ((cw - rw) - (cl - rl) - 1 / beta) ** 2
+
+
+def ipo_scaled_margin(cw, cl, rw, rl, beta):
+    return (beta * ((cw - rw) - (cl - rl)) - 1 / (2 * beta)) ** 2
+
+
+def ipo_plus_target(cw, cl, rw, rl, beta):
+    return ((cw - rw) - (cl - rl) + 1 / (2 * beta)) ** 2
+
+
+def ipo_no_square(cw, cl, rw, rl, beta):
+    return (cw - rw) - (cl - rl) - 1 / (2 * beta)
+
+
+def ipo_no_reference(cw, cl, rw, rl, beta):
+    return ((cw - cl) - 1 / (2 * beta)) ** 2
+
+
+def ipo_dpo_instead(cw, cl, rw, rl, beta):
+    return dpo_ok(cw, cl, rw, rl, beta)
+
+
+# --- the experiment -----------------------------------------------------------------------------
+
+def fit_ok(bandit, pairs, beta):
+    return train_tabular_policy(bandit, pairs, beta, steps=300, lr=0.3)["logprobs"]
+
+
+def _fit(bandit, pairs, beta, steps=300, use_reference=True, scale=1.0):
+    logits = bandit.ref_logprobs.clone().requires_grad_(True)
+    opt = torch.optim.Adam([logits], lr=0.3)
+    p, w, l = pairs["prompt"], pairs["chosen"], pairs["rejected"]
+    ref = bandit.ref_logprobs if use_reference else torch.zeros_like(bandit.ref_logprobs)
+    for _ in range(steps):
+        logp = torch.log_softmax(logits, -1)
+        h = (logp[p, w] - ref[p, w]) - (logp[p, l] - ref[p, l])
+        loss = -F.logsigmoid(scale * beta * h).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return torch.log_softmax(logits.detach(), -1)
+
+
+def fit_own_loop(bandit, pairs, beta):
+    return _fit(bandit, pairs, beta)
+
+
+def fit_no_reference(bandit, pairs, beta):
+    return _fit(bandit, pairs, beta, use_reference=False)
+
+
+def fit_too_short(bandit, pairs, beta):
+    return _fit(bandit, pairs, beta, steps=3)
+
+
+def fit_wrong_beta(bandit, pairs, beta):
+    return _fit(bandit, pairs, beta, scale=4.0)
+
+
+def fit_returns_logits(bandit, pairs, beta):
+    return fit_ok(bandit, pairs, beta) + 1.0
+
+
+def fit_reference(bandit, pairs, beta):
+    return bandit.ref_logprobs.clone()
+
+
+@pytest.mark.parametrize("check, answer", [
+    (check_dpo_loss, dpo_ok), (check_dpo_loss, dpo_ok_softplus),
+    (check_implicit_reward, reward_ok),
+    (check_ipo_loss, ipo_ok),
+    (check_fit_dpo_policy, fit_ok), (check_fit_dpo_policy, fit_own_loop),
+])
+def test_right_answers_pass(check, answer, capsys):
+    check(answer)
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"✔ check_\w+: all \d+ cases passed\n", out)
+
+
+@pytest.mark.parametrize("check, answer, hint", [
+    (check_dpo_loss, dpo_no_beta, "beta is missing"),
+    (check_dpo_loss, dpo_no_reference, "reference"),
+    (check_dpo_loss, dpo_swapped, "swapped"),
+    (check_dpo_loss, dpo_wrong_sign, "MINUS"),
+    (check_dpo_loss, dpo_divides_beta, "divide"),
+    (check_dpo_loss, dpo_unstable, "logsigmoid"),
+    (check_dpo_loss, dpo_batch_mean, "per-pair"),
+    (check_dpo_loss, dpo_in_place, "in place"),
+    (check_dpo_loss, dpo_forgot_return, "return"),
+    (check_implicit_reward, reward_no_beta, "beta is missing"),
+    (check_implicit_reward, reward_reversed, "sign"),
+    (check_implicit_reward, reward_divides, "do not divide"),
+    (check_implicit_reward, reward_no_reference, "reference"),
+    (check_implicit_reward, reward_ratio_of_probs, "expected"),
+    (check_ipo_loss, ipo_target_one_over_beta, "not 1 / beta"),
+    (check_ipo_loss, ipo_scaled_margin, "not beta"),
+    (check_ipo_loss, ipo_plus_target, "AHEAD"),
+    (check_ipo_loss, ipo_no_square, "square"),
+    (check_ipo_loss, ipo_no_reference, "reference"),
+    (check_ipo_loss, ipo_dpo_instead, "expected"),
+    (check_fit_dpo_policy, fit_no_reference, "reference"),
+    (check_fit_dpo_policy, fit_too_short, "KL"),
+    (check_fit_dpo_policy, fit_wrong_beta, "KL"),
+    (check_fit_dpo_policy, fit_returns_logits, "log_softmax"),
+    (check_fit_dpo_policy, fit_reference, "never left"),
+])
+def test_wrong_answers_fail_with_a_hint(check, answer, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check(answer)
