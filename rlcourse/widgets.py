@@ -1,8 +1,25 @@
-"""ipywidgets explorers: turn a knob, watch the numbers move."""
+"""ipywidgets explorers: turn a knob, watch the numbers move.
+
+Each explorer is an :class:`Explorer`: displayed, it shows the live sliders and, below them, a
+static picture of its default setting. Sliders need a running kernel; the static picture is saved
+in the notebook, so a reader who has not run it yet (or reads it on GitHub) still sees the plot.
+"""
 from __future__ import annotations
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
+
+
+class Explorer(widgets.interactive):
+    """``ipywidgets.interactive`` that also draws a static figure of its current setting below itself."""
+
+    def _ipython_display_(self, **kwargs):
+        from IPython.display import Markdown, display
+
+        display(self._repr_mimebundle_(), raw=True)
+        setting = ", ".join(f"{w.description} = {w.value:g}" for w in self.kwargs_widgets)
+        display(Markdown(f"*Static picture at {setting} (the sliders above need a running kernel):*"))
+        self.f(**self.kwargs)
 
 from rlcourse import tabular
 from rlcourse.envs import GridWorld
@@ -26,7 +43,7 @@ def gridworld_explorer(layout: str = "4x4", gamma: float = 0.9, slip: float = 0.
                                     f"V*(start)={result.V[start]:.2f}")
         plt.show()
 
-    return widgets.interactive(
+    return Explorer(
         show,
         gamma=widgets.FloatSlider(value=gamma, min=0.0, max=0.99, step=0.01, description="γ"),
         slip=widgets.FloatSlider(value=slip, min=0.0, max=0.6, step=0.05, description="slip"))
@@ -69,7 +86,7 @@ def next_token_explorer(model, tokenizer, prompt: str, temperature: float = 1.0,
         ax.legend()
         plt.show()
 
-    return widgets.interactive(
+    return Explorer(
         show, temperature=widgets.FloatLogSlider(value=temperature, base=10, min=-1, max=0.5, step=0.02,
                                                  description="T"))
 
@@ -87,7 +104,7 @@ def ppo_clip_explorer(clip_coef: float = 0.2, advantage: float = 1.0):
         plot_clip_objective(clip_coef, advantage, ax=ax)
         plt.show()
 
-    return widgets.interactive(
+    return Explorer(
         show,
         clip_coef=widgets.FloatSlider(value=clip_coef, min=0.05, max=0.5, step=0.05, description="ε"),
         advantage=widgets.FloatSlider(value=advantage, min=-5.0, max=5.0, step=0.5, description="A"))
@@ -120,7 +137,7 @@ def gae_explorer(study, gae_lambda: float = 0.9, gamma: float = 0.9):
         plt.tight_layout()
         plt.show()
 
-    return widgets.interactive(
+    return Explorer(
         show,
         gae_lambda=widgets.FloatSlider(value=gae_lambda, min=0.0, max=1.0, step=0.05, description="λ"),
         gamma=widgets.FloatSlider(value=gamma, min=0.5, max=0.99, step=0.01, description="γ"))
@@ -169,7 +186,7 @@ def importance_weight_explorer(mdp, theta, batch, gamma: float, max_delta: float
                      f"IS gradient off by {100 * error:.1f}%", fontsize=10)
         plt.show()
 
-    return widgets.interactive(show, delta=widgets.FloatSlider(value=1.0, min=0.0, max=max_delta, step=0.25,
+    return Explorer(show, delta=widgets.FloatSlider(value=1.0, min=0.0, max=max_delta, step=0.25,
                                                                description="δ"))
 
 def gradient_estimate_explorer(g_per_episode, exact, n_max: int | None = None, seed: int = 0):
@@ -206,7 +223,7 @@ def gradient_estimate_explorer(g_per_episode, exact, n_max: int | None = None, s
         plt.show()
 
     top = int(np.log2(n_max))
-    return widgets.interactive(show, log2_n=widgets.IntSlider(value=min(6, top), min=0, max=top,
+    return Explorer(show, log2_n=widgets.IntSlider(value=min(6, top), min=0, max=top,
                                                               description="log2 N"))
 # <<< policy-gradient explorers (lessons 02-03)
 
@@ -254,6 +271,6 @@ def kl_estimator_explorer(logits, tokens, mask, t_ref: float = 1.5):
                      f"{exact.mean().item():.4f}", fontsize=10, y=1.06)
         plt.show()
 
-    return widgets.interactive(
+    return Explorer(
         show, t_ref=widgets.FloatLogSlider(value=t_ref, base=10, min=-0.4, max=0.5, step=0.02,
                                            description="T_ref"))
