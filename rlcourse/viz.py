@@ -99,9 +99,9 @@ def plot_gridworld_values(env, V, policy=None, ax=None, title: str | None = None
 # ---------------------------------------------------------------------------------- PPO and GAE (lessons 04-06)
 def plot_clip_objective(clip_coef: float = 0.2, advantage: float = 1.0, ax=None, clip_coef_high: float | None = None,
                         r_max: float = 2.0):
-    """PPO's per-sample objective ``min(r A, clip(r, 1-eps, 1+eps) A)`` against the ratio ``r``.
+    """PPO's per-sample objective ``min(rho A, clip(rho, 1-eps, 1+eps) A)`` against the ratio ``rho``.
 
-    Draws the unclipped ``r A`` (dashed), the clipped objective (solid) and shades the ratios
+    Draws the unclipped ``rho A`` (dashed), the clipped objective (solid) and shades the ratios
     where its gradient is 0 (the clipped branch is selected), for one advantage value.
     """
     import torch
@@ -113,8 +113,8 @@ def plot_clip_objective(clip_coef: float = 0.2, advantage: float = 1.0, ax=None,
     A = torch.full_like(r, float(advantage))
     obj = ppo_clip_objective(r, A, clip_coef, clip_coef_high).numpy()
     high = clip_coef if clip_coef_high is None else clip_coef_high
-    ax.plot(r, (r * A).numpy(), "--", color="grey", label="unclipped  r·A")
-    ax.plot(r, obj, color="C0" if advantage >= 0 else "C3", linewidth=2.5, label="L^CLIP = min(r·A, clip(r)·A)")
+    ax.plot(r, (r * A).numpy(), "--", color="grey", label="unclipped  ρ·A")
+    ax.plot(r, obj, color="C0" if advantage >= 0 else "C3", linewidth=2.5, label="L^CLIP = min(ρ·A, clip(ρ)·A)")
     if advantage > 0:
         ax.axvspan(1 + high, r_max, color="0.85", label="gradient = 0")
     elif advantage < 0:
@@ -122,7 +122,7 @@ def plot_clip_objective(clip_coef: float = 0.2, advantage: float = 1.0, ax=None,
     for x in (1 - clip_coef, 1 + high):
         ax.axvline(x, color="k", linewidth=0.6, linestyle=":")
     ax.axvline(1.0, color="k", linewidth=0.8)
-    ax.set_xlabel("probability ratio  r = π_θ(a|s) / π_old(a|s)")
+    ax.set_xlabel("probability ratio  ρ = π_θ(a|s) / π_old(a|s)")
     ax.set_ylabel("objective (maximised)")
     ax.set_title(f"A = {advantage:+g},  ε = {clip_coef:g}" + (f", ε_high = {high:g}" if clip_coef_high else ""))
     ax.legend(loc="upper left" if advantage >= 0 else "lower left", fontsize=9)
