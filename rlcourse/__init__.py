@@ -1,14 +1,14 @@
 """rlcourse: tested reference implementations behind the course notebooks.
 
-Import this package before torch. It sets ``OMP_WAIT_POLICY=PASSIVE`` first: on a busy 2-core
-machine, OpenMP threads that spin while waiting made torch 10-15x slower.
+Import this package before torch. It sets ``OMP_WAIT_POLICY=PASSIVE`` first (unless already set):
+on a busy 2-core machine, OpenMP threads that spin while waiting made torch 10-15x slower.
+That is its only change to the process environment. The course stays offline without touching
+the Hugging Face settings of the user's process: rlcourse loads its checkpoints from local
+folders with ``local_files_only=True``, and ``make`` exports ``HF_HUB_OFFLINE=1`` for the lessons.
 """
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# The course never downloads anything: models are trained by rlcourse itself.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 __version__ = "0.1.0"
 

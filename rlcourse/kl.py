@@ -21,18 +21,51 @@ Every function takes log-probabilities, never probabilities: ``logp = log pi_the
 ``logq = log pi_ref(x)`` for the sampled tokens (any shape, the same for both), or full
 log-distributions over the last dimension for :func:`exact_kl` and :func:`entropy`.
 The estimators return one value per token, in the inputs' shape; :func:`exact_kl` and
-:func:`entropy` drop the vocabulary dimension. Averaging or summing over a completion mask is the
+:func:`entropy` drop the vocabulary dimension. Every function takes an optional ``mask`` (the
+shape of its result): masked entries come back as exactly 0 whatever the inputs held there, and
+never leak into the gradient. Averaging or summing over a completion mask is the
 trainer's choice, not the estimator's.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["kl_k1", "kl_k2", "kl_k3", "exact_kl", "entropy", "KL_ESTIMATORS"]
+__all__ = ["kl_k1", "kl_k2", "kl_k3", "exact_kl", "entropy", "KL_ESTIMATORS", "LOG_RATIO_BOUND",
+           "as_mask"]
+
+# A log-ratio between two policies is clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] wherever it is
+# exponentiated (verl clamps at 20 too): exp(20) = 4.9e8 is already far beyond any ratio an
+# update should see, while exp(89) overflows float32 to inf, and inf * 0 = nan would poison a
+# whole batch, gradient included. Beyond the bound the exponential is flat, so its gradient is 0.
+LOG_RATIO_BOUND = 20.0
 
 
-def _pair(logp, logq) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both arguments as floating tensors of one shape (broadcasting would hide a bug)."""
+def as_mask(mask, like: torch.Tensor, name: str = "mask") -> torch.Tensor | None:
+    """``mask`` (0/1 or bool; tensor, array or list) as a bool tensor on ``like``'s device; None stays None.
+
+    It must have ``like``'s shape: broadcasting a mask would silently mean something else.
+    """
+    if mask is None:
+        return None
+    try:
+        m = torch.as_tensor(mask, device=like.device)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be a tensor, array or list of 0/1, got {type(mask).__name__}") from None
+    if tuple(m.shape) != tuple(like.shape):
+        raise ValueError(f"{name} must have shape {tuple(like.shape)}, got {tuple(m.shape)}")
+    if m.dtype != torch.bool:
+        if not ((m == 0) | (m == 1)).all():
+            raise ValueError(f"{name} must hold only 0/1 or booleans")
+        m = m.bool()
+    return m
+
+
+def _pair(logp, logq, mask=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Both arguments as floating tensors of one shape (broadcasting would hide a bug), and the mask.
+
+    Masked entries are replaced by 0 *before* any arithmetic, so whatever they held (nan, inf)
+    reaches neither the result nor, through the backward pass, the gradient.
+    """
     logp, logq = torch.as_tensor(logp), torch.as_tensor(logq)
     if logp.shape != logq.shape:
         raise ValueError(f"logp and logq must have the same shape (one log-prob per sampled token), "
@@ -40,10 +73,17 @@ def _pair(logp, logq) -> tuple[torch.Tensor, torch.Tensor]:
     if not (logp.is_floating_point() and logq.is_floating_point()):
         raise TypeError(f"logp and logq must be floating-point log-probabilities, "
                         f"got dtypes {logp.dtype} and {logq.dtype}")
-    return logp, logq
+    m = as_mask(mask, logp)
+    if m is not None:
+        logp, logq = torch.where(m, logp, 0.0), torch.where(m, logq, 0.0)
+    return logp, logq, m
 
 
-def kl_k1(logp, logq) -> torch.Tensor:
+def _masked(value: torch.Tensor, m) -> torch.Tensor:
+    return value if m is None else torch.where(m, value, 0.0)
+
+
+def kl_k1(logp, logq, mask=None) -> torch.Tensor:
     """``k1 = -log r = log pi_theta(x) - log pi_ref(x)``, with ``x ~ pi_theta``.
 
     Unbiased: ``E_{x~pi_theta}[k1] = KL(pi_theta || pi_ref)`` by the definition of KL.
@@ -51,22 +91,22 @@ def kl_k1(logp, logq) -> torch.Tensor:
     close; many samples are negative even though the KL never is. This is the
     log-ratio that PPO-RLHF subtracts from the reward at each token.
     """
-    logp, logq = _pair(logp, logq)
-    return logp - logq
+    logp, logq, m = _pair(logp, logq, mask)
+    return _masked(logp - logq, m)
 
 
-def kl_k2(logp, logq) -> torch.Tensor:
+def kl_k2(logp, logq, mask=None) -> torch.Tensor:
     """``k2 = 1/2 (log r)^2``, with ``r = pi_ref(x) / pi_theta(x)`` and ``x ~ pi_theta``.
 
     Biased: ``E[k2] = 1/2 E[(log r)^2]``, which agrees with the KL only to second order in
     ``log r`` (both are ``1/2 E[(log r)^2] + O(E|log r|^3)``), so the bias grows as the policies
     drift apart. Low variance, and never negative.
     """
-    logp, logq = _pair(logp, logq)
-    return 0.5 * (logq - logp) ** 2
+    logp, logq, m = _pair(logp, logq, mask)
+    return _masked(0.5 * (logq - logp) ** 2, m)
 
 
-def kl_k3(logp, logq) -> torch.Tensor:
+def kl_k3(logp, logq, mask=None) -> torch.Tensor:
     """``k3 = (r - 1) - log r``, with ``r = pi_ref(x) / pi_theta(x)`` and ``x ~ pi_theta``.
 
     Unbiased: ``E_{x~pi_theta}[r] = sum_x pi_ref(x) = 1``, so the added ``r - 1`` is a control
@@ -77,11 +117,13 @@ def kl_k3(logp, logq) -> torch.Tensor:
     close (``r - 1 ~ log r`` cancels the first-order noise) but grows fast when ``r`` can be large.
     GRPO puts this estimator in its loss.
 
-    ``expm1`` computes ``r - 1`` without cancellation when ``r`` is close to 1.
+    ``expm1`` computes ``r - 1`` without cancellation when ``r`` is close to 1. ``log r`` is
+    clamped at ``LOG_RATIO_BOUND`` above before the exponential (never below: there ``r - 1``
+    tends to -1 and stays finite), so the value and its gradient stay finite.
     """
-    logp, logq = _pair(logp, logq)
+    logp, logq, m = _pair(logp, logq, mask)
     log_r = logq - logp
-    return torch.expm1(log_r) - log_r
+    return _masked(torch.expm1(torch.clamp(log_r, max=LOG_RATIO_BOUND)) - log_r, m)
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
@@ -102,7 +144,19 @@ def _log_distribution(name: str, logp_full, dim: int) -> torch.Tensor:
     return logp_full
 
 
-def exact_kl(logp_full, logq_full, dim: int = -1) -> torch.Tensor:
+def _mask_distributions(logp_full, mask, dim: int):
+    """Replace masked positions' distributions by the uniform one (they may hold anything)."""
+    logp_full = torch.as_tensor(logp_full)
+    if mask is None:
+        return logp_full, None
+    if logp_full.ndim == 0:
+        raise ValueError("logp_full must have a vocabulary dimension, got a scalar")
+    m = as_mask(mask, logp_full.select(dim, 0))
+    uniform = torch.full_like(logp_full, -float(torch.log(torch.tensor(float(logp_full.shape[dim])))))
+    return torch.where(m.unsqueeze(dim % logp_full.ndim), logp_full, uniform), m
+
+
+def exact_kl(logp_full, logq_full, dim: int = -1, mask=None) -> torch.Tensor:
     """``KL(p || q) = sum_v p(v) (log p(v) - log q(v))`` over the vocabulary dimension ``dim``.
 
     ``logp_full`` and ``logq_full`` are full log-distributions (e.g. ``log_softmax`` of the
@@ -110,6 +164,8 @@ def exact_kl(logp_full, logq_full, dim: int = -1) -> torch.Tensor:
     ``dim``. Terms with ``p(v) = 0`` count 0 (the limit of ``p log p``); a ``q(v) = 0`` where
     ``p(v) > 0`` gives ``+inf``, as it should.
     """
+    logp_full, m = _mask_distributions(logp_full, mask, dim)
+    logq_full, _ = _mask_distributions(logq_full, mask, dim)
     logp_full = _log_distribution("logp_full", logp_full, dim)
     logq_full = _log_distribution("logq_full", logq_full, dim)
     if logp_full.shape != logq_full.shape:
@@ -119,15 +175,16 @@ def exact_kl(logp_full, logq_full, dim: int = -1) -> torch.Tensor:
     # Zero the log-ratio where p = 0 *before* multiplying: 0 * (-inf) would be nan in the
     # forward pass, and in the backward pass even when torch.where hides it.
     log_ratio = torch.where(p > 0, logp_full - logq_full, torch.zeros_like(p))
-    return (p * log_ratio).sum(dim)
+    return _masked((p * log_ratio).sum(dim), m)
 
 
-def entropy(logp_full, dim: int = -1) -> torch.Tensor:
+def entropy(logp_full, dim: int = -1, mask=None) -> torch.Tensor:
     """``H(p) = -sum_v p(v) log p(v)`` over the vocabulary dimension ``dim`` (in nats).
 
     Zero for a deterministic policy, ``log V`` for the uniform one. For a policy it measures how
     much exploration is left: RL on a verifiable reward tends to drive it down.
     """
+    logp_full, m = _mask_distributions(logp_full, mask, dim)
     logp_full = _log_distribution("logp_full", logp_full, dim)
     p = logp_full.exp()
-    return -(p * torch.where(p > 0, logp_full, torch.zeros_like(p))).sum(dim)   # 0 log 0 = 0
+    return _masked(-(p * torch.where(p > 0, logp_full, torch.zeros_like(p))).sum(dim), m)   # 0 log 0 = 0

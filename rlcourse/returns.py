@@ -3,10 +3,42 @@
 The discounted return of a reward sequence ``r_0, r_1, ..., r_{T-1}`` is
 
     G_0 = sum_{t=0}^{T-1} gamma^t r_t = r_0 + gamma r_1 + gamma^2 r_2 + ...
+
+Batches and the conventions every function here follows
+--------------------------------------------------------
+Batched functions work on ``(N, T)`` arrays: N rows (episodes, rollouts of a vectorised env, or
+language-model completions), T time steps. They accept NumPy arrays, lists or torch tensors and
+return the kind they were given (NumPy float64, or a tensor of the rewards' dtype and device),
+detached from any autograd graph: returns and advantages are targets, never differentiated.
+
+* **Masks mean "not there".** ``mask[i, t] = 0`` marks a step that does not exist: left or right
+  padding, or a hole inside a row (say, tokens a tool wrote into a conversation). Whatever the
+  arrays hold there (garbage, NaN, inf), a masked step's output is exactly 0 and no real step's
+  output depends on it: recursions run over the real steps of a row in order, as if the masked
+  ones were deleted.
+* **Episode ends.** A row may hold several episodes one after the other. An episode ends at
+  step t when ``dones``, ``terminated`` or ``truncated`` is set there, and nothing flows back
+  across its end. How it ended decides what is bootstrapped after it:
+
+  - a *termination* (``s_{t+1}`` is terminal) bootstraps nothing: a terminal state is worth 0;
+  - a *truncation* (a time limit) bootstraps from the value of the truncated episode's own next
+    state, ``next_values[i, t] = V(s_{t+1})`` (the final observation the env reported before it
+    reset), never from the next episode's first state.
+
+  ``terminated`` marks terminations and ``truncated`` truncations. ``dones`` marks ends of either
+  kind: given together with ``terminated``, a done step that is not terminated is a truncation
+  (gymnasium's ``done = terminated | truncated``); without ``terminated``, a done step that is not
+  ``truncated`` is a termination. So ``dones`` alone always means "the episode really ended here".
+* **The end of a row** that is not the end of an episode (a rollout cut mid-episode) bootstraps
+  from ``last_value[i]``, 0 by default: a language model's completion ends where its row does.
+* ``next_values[i, t]`` defaults to the value of the next real step in the row (``last_value``
+  after the last one). Reward-to-go has no critic: it never bootstraps, so there a truncated
+  episode's return is the sum of the rewards it got.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 
 def discounted_return(rewards, gamma: float) -> float:
@@ -14,287 +46,327 @@ def discounted_return(rewards, gamma: float) -> float:
     rewards = np.asarray(rewards, dtype=float)
     if rewards.ndim != 1:
         raise ValueError(f"rewards must be a 1-D sequence, got shape {rewards.shape}")
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
+    _check_unit_interval("gamma", gamma)
+    if not np.isfinite(rewards).all():
+        raise ValueError("rewards must be finite, got nan or inf")
     return float(np.sum(gamma ** np.arange(len(rewards)) * rewards))
 
 
-# ---------------------------------------------------------------------------------- batches of episodes
-# Batched versions work on ``(N, T)`` arrays: N rows (episodes, or rollouts of a vectorised env),
-# T time steps. Two masks describe where episodes end:
-#
-# * ``dones[i, t] = 1`` when step t was the last step of an episode; the return does not flow
-#   back across it, so one row may hold several episodes one after another;
-# * ``mask[i, t] = 0`` on padding (steps after a shorter episode ended): they carry no reward and
-#   get a return of 0.
-#
-# Every function accepts NumPy arrays or torch tensors and returns the same kind, so one code path
-# serves CartPole and the language models of later lessons.
-def _validate_batch(rewards, gamma, dones, mask):
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
-    if rewards.ndim != 2:
-        raise ValueError(f"rewards must have shape (N, T), got {tuple(rewards.shape)}")
-    for name, value in (("dones", dones), ("mask", mask)):
-        if value is not None and tuple(value.shape) != tuple(rewards.shape):
-            raise ValueError(f"{name} must have the shape of rewards {tuple(rewards.shape)}, "
-                             f"got {tuple(value.shape)}")
+# ---------------------------------------------------------------------------------- input handling
+def _check_unit_interval(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1] (a number), got {value!r}")
 
 
-def _as_float(x, like):
-    """``x`` (a mask of bools or 0/1) as floats of the same library and dtype as ``like``."""
-    if hasattr(like, "detach"):
-        import torch
-
-        return torch.as_tensor(x, device=like.device).to(like.dtype)
-    return np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=like.dtype)
-
-
-def _float_rewards(rewards):
-    if hasattr(rewards, "detach"):
-        return rewards if rewards.is_floating_point() else rewards.float()
-    return np.asarray(rewards, dtype=float)
+def _floats(x, name: str):
+    """``x`` as a detached float tensor, and a function that turns a result back into x's kind."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        return (x if x.is_floating_point() else x.to(torch.get_default_dtype())), (lambda out: out)
+    try:
+        array = np.asarray(x, dtype=float)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be an array, a tensor or a list of numbers, "
+                        f"got {type(x).__name__}") from None
+    return torch.from_numpy(array), (lambda out: out.numpy())
 
 
-def reward_to_go(rewards, gamma: float, dones=None, mask=None):
+def _like(x, name: str, ref: torch.Tensor) -> torch.Tensor:
+    """An optional companion array of ``ref``'s shape, as ``ref``'s dtype and device."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+    else:
+        try:
+            x = torch.from_numpy(np.asarray(x, dtype=float))
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be an array, a tensor or a list of numbers, "
+                            f"got {type(x).__name__}") from None
+    if tuple(x.shape) != tuple(ref.shape):
+        raise ValueError(f"{name} must have the shape of rewards {tuple(ref.shape)}, got {tuple(x.shape)}")
+    return x.to(device=ref.device, dtype=ref.dtype)
+
+
+def _flags(x, name: str, ref: torch.Tensor) -> torch.Tensor | None:
+    """A 0/1 (or bool) flag array of ``ref``'s shape as a bool tensor; None stays None."""
+    if x is None:
+        return None
+    x = _like(x, name, ref)
+    if not ((x == 0) | (x == 1)).all():
+        raise ValueError(f"{name} must hold only 0/1 or booleans")
+    return x.bool()
+
+
+def _batch(rewards, gamma, mask):
+    """Validate ``rewards`` (N, T), ``gamma`` and ``mask``; return float rewards, bool mask, restore."""
+    _check_unit_interval("gamma", gamma)
+    r, restore = _floats(rewards, "rewards")
+    if r.ndim != 2:
+        raise ValueError(f"rewards must have shape (N, T), got {tuple(r.shape)}")
+    m = torch.ones_like(r, dtype=torch.bool) if mask is None else _flags(mask, "mask", r)
+    _check_finite("rewards", r, m)
+    return r, m, restore
+
+
+def _check_finite(name: str, x: torch.Tensor, real: torch.Tensor) -> None:
+    bad = ~torch.isfinite(x) & real
+    if bad.any():
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} hold nan or inf at {int(bad.sum())} real (unmasked) entries, the "
+                         f"first at {where}; masked entries may hold anything")
+
+
+def _episode_ends(r, dones, terminated, truncated):
+    """Bool ``(ends, terminal)``: where an episode ends, and where it ends by termination."""
+    dones, terminated, truncated = (_flags(x, n, r) for x, n in
+                                    ((dones, "dones"), (terminated, "terminated"), (truncated, "truncated")))
+    none = torch.zeros_like(r, dtype=torch.bool)
+    ends = none | (dones if dones is not None else none) | (terminated if terminated is not None else none) \
+        | (truncated if truncated is not None else none)
+    if terminated is not None:
+        terminal = terminated
+    else:
+        terminal = (dones if dones is not None else none) & ~(truncated if truncated is not None else none)
+    return ends, terminal
+
+
+def _has_real_step_after(m: torch.Tensor) -> torch.Tensor:
+    """``out[i, t]``: is there a real step after column t in row i?"""
+    later = m.flip(1).cumsum(1).flip(1)  # real steps at or after t
+    return (later - m.long()) > 0
+
+
+# ---------------------------------------------------------------------------------- the backward scan
+def _scan(r, m, gamma, decay, ends, bootstrap):
+    """``out_t = r_t + gamma * bootstrap_t + decay * [not ends_t] * out_{next real step}`` over real steps.
+
+    One backward pass serves reward-to-go (``bootstrap = 0``, ``decay = gamma``) and GAE (``r``
+    holds the TD residuals, ``decay = gamma * lambda``). Masked steps are skipped and get 0.
+    """
+    out = torch.zeros_like(r)
+    running = r.new_zeros(r.shape[0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        value = r[:, t] + gamma * bootstrap[:, t] + decay * torch.where(ends[:, t], 0.0, running)
+        out[:, t] = torch.where(m[:, t], value, 0.0)
+        running = torch.where(m[:, t], value, running)
+    return out
+
+
+def reward_to_go(rewards, gamma: float, dones=None, mask=None, *, terminated=None, truncated=None):
     """Discounted reward-to-go of every step: ``G_t = sum_{k >= t} gamma^{k-t} r_k``, within its episode.
 
-    Computed backwards with the recursion ``G_t = r_t + gamma (1 - done_t) G_{t+1}`` (and
-    ``G_T = 0``), so the work is O(N T). ``dones`` cuts the sum at the end of each episode;
-    ``mask`` zeroes padded steps (their rewards are ignored). Returns an ``(N, T)`` array or
-    tensor (not connected to any autograd graph the rewards belong to: returns are targets).
+    Computed backwards with ``G_t = r_t + gamma (1 - end_t) G_{next(t)}`` (``next(t)`` the next real
+    step of the row; 0 after the last), O(N T). Episode ends and masks follow the module's
+    conventions. Returns ``(N, T)``, exactly 0 on masked steps.
     """
-    rewards = _float_rewards(rewards)
-    _validate_batch(rewards, gamma, dones, mask)
-    if hasattr(rewards, "detach"):
-        rewards = rewards.detach()
-    if mask is not None:
-        rewards = rewards * _as_float(mask, rewards)
-    keep = 1.0 - _as_float(dones, rewards) if dones is not None else None
-    G = rewards * 0.0
-    running = rewards[:, 0] * 0.0
-    for t in range(rewards.shape[1] - 1, -1, -1):
-        if keep is not None:
-            running = running * keep[:, t]
-        running = rewards[:, t] + gamma * running
-        G[:, t] = running
-    if mask is not None:
-        G = G * _as_float(mask, G)
-    return G
+    r, m, restore = _batch(rewards, gamma, mask)
+    ends, _ = _episode_ends(r, dones, terminated, truncated)
+    return restore(_scan(r, m, gamma, gamma, ends, torch.zeros_like(r)))
 
 
 def episode_returns(rewards, gamma: float, mask=None):
-    """The discounted return ``G_0 = sum_t gamma^t r_t`` of each row (one episode per row): shape ``(N,)``."""
-    return reward_to_go(rewards, gamma, mask=mask)[:, 0]
+    """The discounted return ``G_0 = sum_t gamma^t r_t`` of each row's first episode: shape ``(N,)``.
+
+    ``G_0`` is read at each row's first real step (left padding is skipped); a row with no real
+    step returns 0.
+    """
+    r, m, restore = _batch(rewards, gamma, mask)
+    G = _scan(r, m, gamma, gamma, torch.zeros_like(m), torch.zeros_like(r))
+    if r.shape[1] == 0:
+        return restore(r.new_zeros(r.shape[0]))
+    first = m.long().argmax(1, keepdim=True)  # the first real column (0 for an empty row, whose G is 0)
+    return restore(G.gather(1, first)[:, 0])
 
 
-def discount_weights(mask, gamma: float):
-    """``gamma^t`` at every step of a batch ``(N, T)``, 0 on padding.
+def discount_weights(mask, gamma: float, dones=None):
+    """``gamma^t`` at every step of a batch ``(N, T)``, with t counted in real steps since the episode began.
 
     With ``gamma < 1`` the objective ``E[sum_t gamma^t r_t]`` values a decision at time t at only
-    ``gamma^t``, so an unbiased estimate of its gradient weighs step t by ``gamma^t``.
+    ``gamma^t``, so an unbiased estimate of its gradient weighs step t by ``gamma^t``. Masked
+    steps get 0 and do not advance t (left padding starts at ``gamma^0``); after a step in
+    ``dones`` a new episode starts at ``gamma^0``. Returns the kind of ``mask`` (NumPy float64,
+    or a tensor of the default float dtype).
     """
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
-    if mask.ndim != 2:
-        raise ValueError(f"mask must have shape (N, T), got {tuple(mask.shape)}")
-    if hasattr(mask, "detach"):
-        import torch
-
-        # Powers in NumPy float64, then the default dtype (MPS has no float64).
-        powers = torch.as_tensor(gamma ** np.arange(mask.shape[1], dtype=float), dtype=torch.get_default_dtype(),
-                                 device=mask.device)
-        return powers[None, :] * mask.to(torch.get_default_dtype())
-    return gamma ** np.arange(mask.shape[1], dtype=float)[None, :] * np.asarray(mask, dtype=float)
+    _check_unit_interval("gamma", gamma)
+    m_float, restore = _floats(mask, "mask")
+    if m_float.ndim != 2:
+        raise ValueError(f"mask must have shape (N, T), got {tuple(m_float.shape)}")
+    m = _flags(m_float, "mask", m_float)
+    ends = _flags(dones, "dones", m_float) if dones is not None else torch.zeros_like(m)
+    steps = torch.zeros_like(m_float)
+    count = torch.zeros_like(m_float[:, 0])
+    for t in range(m.shape[1]):
+        steps[:, t] = count
+        count = torch.where(ends[:, t] & m[:, t], 0.0, count + m[:, t].to(count.dtype))
+    if isinstance(mask, torch.Tensor):
+        steps = steps.to(torch.get_default_dtype())
+    return restore(torch.where(m, torch.pow(float(gamma), steps), 0.0))
 
 
 def whiten(values, mask=None, shift_mean: bool = True, eps: float = 1e-8):
-    """Standardise values over the valid entries: ``(x - mean) / (std + eps)``.
+    """Standardise values over the real entries: ``(x - mean) / (std + eps)``.
 
     Mean and (population, ``ddof=0``) standard deviation are taken over the entries where
-    ``mask`` is 1 (all entries if ``mask`` is None); padded entries come back as 0.
-    ``shift_mean=False`` only rescales: ``x / (std + eps)``, keeping the sign of every value. Whitening is
-    a per-batch baseline and step size in one: it changes the gradient's scale, not (to first
-    order) its direction, and keeps the step size independent of the reward's units.
+    ``mask`` is 1 (all entries if ``mask`` is None), in float64; masked entries come back as
+    exactly 0 whatever they held. ``shift_mean=False`` only rescales: ``x / (std + eps)``.
+    When the spread is no more than ``eps`` (all values equal, up to float leftovers) there is no
+    scale to remove and nothing is rescaled: equal values whiten to exactly 0, and with
+    ``shift_mean=False`` they come back unchanged (never divided by ``eps``).
+
+    Whitening is a per-batch baseline and step size in one: it changes the gradient's scale, not
+    (to first order) its direction, and keeps the step size independent of the reward's units.
     """
-    if eps < 0:
+    if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
-    values = _float_rewards(values)
-    if mask is None:
-        m = values * 0.0 + 1.0
-    else:
-        if tuple(mask.shape) != tuple(values.shape):
-            raise ValueError(f"mask must have the shape of values {tuple(values.shape)}, got {tuple(mask.shape)}")
-        m = _as_float(mask, values)
-    count = m.sum()
-    if float(count) == 0:
+    x, restore = _floats(values, "values")
+    m = torch.ones_like(x, dtype=torch.bool) if mask is None else _flags(mask, "mask", x)
+    if not m.any():
         raise ValueError("mask selects no entries: cannot whiten an empty set")
-    mean = (values * m).sum() / count
-    var = (((values - mean) * m) ** 2).sum() / count
-    out = (values - mean) / (var ** 0.5 + eps) if shift_mean else values / (var ** 0.5 + eps)
-    return out * m
+    _check_finite("values", x, m)
+    # Sums in float64 (where the device has it): n equal float32 values then have a mean equal to
+    # each of them, so they centre to exactly 0 (a float32 sum left 0.749 for sixteen 0.3s).
+    x64 = torch.where(m, x.to(torch.float32 if x.device.type == "mps" else torch.float64), 0.0)
+    count = m.sum()
+    mean = x64.sum() / count
+    std = ((torch.where(m, x64 - mean, 0.0) ** 2).sum() / count).sqrt()
+    scale = std + eps if std > eps else torch.ones_like(std)
+    out = (x64 - mean) / scale if shift_mean else x64 / scale
+    return restore(torch.where(m, out, 0.0).to(x.dtype))
 
 
 # ---------------------------------------------------------------------------------- TD, n-step returns and GAE
 # Lesson 04: estimators that lean on a critic V. Besides the rewards they take ``values[i, t] =
-# V(s_t)`` of the visited states and, for each step, the value of the state it led to. Episodes
-# end in two ways, as in gymnasium:
-#
-# * ``terminated[i, t] = 1``: s_{t+1} is terminal. Its value is 0 by definition, so nothing is
-#   bootstrapped from it;
-# * ``dones[i, t] = 1``: step t is the last of its episode in this row, terminated *or* truncated
-#   (a time limit). Nothing flows back across it. A truncated step is done but not terminated:
-#   the future still exists, so its target bootstraps from ``next_values[i, t] = V(s_{t+1})`` of
-#   the real final observation (the one the env reported before it reset itself).
-#
-# ``next_values`` defaults to ``values`` shifted one step left, with ``last_value`` (default 0)
-# after the last column: right for one episode per row and for a rollout cut mid-episode. With a
-# ``mask`` and no ``next_values``, a step followed by padding is the end of its episode (value 0),
-# as for a language model's completion that ended with EOS.
-def _critic_inputs(rewards, values, gamma, next_values, last_value, terminated, dones, mask):
-    """Validate and fill in the arrays every critic-based estimator needs (all as floats)."""
-    rewards = _float_rewards(rewards)
-    _validate_batch(rewards, gamma, dones, mask)
-    if hasattr(rewards, "detach"):
-        rewards = rewards.detach()
-    for name, value in (("values", values), ("next_values", next_values), ("terminated", terminated)):
-        if value is not None and tuple(value.shape) != tuple(rewards.shape):
-            raise ValueError(f"{name} must have the shape of rewards {tuple(rewards.shape)}, "
-                             f"got {tuple(value.shape)}")
-    values = _as_float(values.detach() if hasattr(values, "detach") else values, rewards)
-    m = _as_float(mask, rewards) if mask is not None else None
-    if next_values is None:
-        next_values = values * 0.0
-        next_values[:, :-1] = values[:, 1:]
-        if m is not None:
-            next_values[:, :-1] = next_values[:, :-1] * m[:, 1:]  # followed by padding: the end
-        if last_value is not None:
-            if tuple(last_value.shape) != (rewards.shape[0],):
-                raise ValueError(f"last_value must have shape (N,) = ({rewards.shape[0]},), "
-                                 f"got {tuple(last_value.shape)}")
-            lv = last_value.detach() if hasattr(last_value, "detach") else last_value
-            next_values[:, -1] = _as_float(lv, rewards)
+# V(s_t)`` of the visited states; see the module docstring for episode ends, masks,
+# ``next_values`` and ``last_value``.
+def _critic_inputs(rewards, values, gamma, *, next_values=None, last_value=None, terminated=None,
+                   truncated=None, dones=None, mask=None):
+    """Validate; return rewards, values, mask, episode ends and the value bootstrapped after each step."""
+    r, m, restore = _batch(rewards, gamma, mask)
+    v = _like(values, "values", r)
+    _check_finite("values", v, m)
+    ends, terminal = _episode_ends(r, dones, terminated, truncated)
+    N = r.shape[0]
+    if last_value is None:
+        lv = r.new_zeros(N)
     else:
-        if last_value is not None:
+        if next_values is not None:
             raise ValueError("give either next_values or last_value, not both "
-                             "(next_values[:, -1] already is the value after the last step)")
-        next_values = _as_float(next_values.detach() if hasattr(next_values, "detach") else next_values,
-                                rewards)
-    keep_value = 1.0 - _as_float(terminated, rewards) if terminated is not None else rewards * 0.0 + 1.0
-    if dones is None:  # without dones, only terminations end episodes
-        dones = terminated
-    keep_trace = 1.0 - _as_float(dones, rewards) if dones is not None else rewards * 0.0 + 1.0
-    if m is not None:
-        rewards = rewards * m
-    return rewards, values, next_values, keep_value, keep_trace, m
+                             "(next_values already holds the value after every step)")
+        lv = last_value.detach() if isinstance(last_value, torch.Tensor) else torch.from_numpy(
+            np.asarray(last_value, dtype=float))
+        if lv.ndim == 0:
+            lv = lv.expand(N)
+        if tuple(lv.shape) != (N,):
+            raise ValueError(f"last_value must be a number or have shape (N,) = ({N},), got {tuple(lv.shape)}")
+        lv = lv.to(device=r.device, dtype=r.dtype)
+        if not torch.isfinite(lv).all():
+            raise ValueError("last_value must be finite, got nan or inf")
+    if next_values is not None:
+        nv = _like(next_values, "next_values", r)
+        _check_finite("next_values", nv, m & ~terminal)
+    else:
+        truncations = ends & ~terminal & m & _has_real_step_after(m)
+        if truncations.any():
+            raise ValueError("truncated episodes bootstrap from V of their own final observation: "
+                             "pass next_values (the next step in the row belongs to the next episode)")
+        nv = torch.zeros_like(r)
+        following = lv
+        for t in range(r.shape[1] - 1, -1, -1):
+            nv[:, t] = following
+            following = torch.where(m[:, t], v[:, t], following)
+    bootstrap = torch.where(terminal | ~m, 0.0, nv)
+    return r, torch.where(m, v, 0.0), m, ends, bootstrap, restore
 
 
 def td_residuals(rewards, values, gamma: float, *, next_values=None, last_value=None, terminated=None,
-                 mask=None):
-    """One-step TD errors ``delta_t = r_t + gamma (1 - terminated_t) V(s_{t+1}) - V(s_t)``.
+                 truncated=None, dones=None, mask=None):
+    """One-step TD errors ``delta_t = r_t + gamma V(s_{t+1}) - V(s_t)``, with ``V(terminal) = 0``.
 
     ``delta_t`` is the one-step estimate of the advantage ``A(s_t, a_t)``: unbiased when ``V`` is
     the true ``V^pi`` (its expectation is then ``Q - V``), and of low variance, since only one
-    random reward enters it. Shapes ``(N, T)``; see the section comment for the optional arguments.
-    Returns an array or tensor of the input's kind, 0 on padding, detached from any graph.
+    random reward enters it. Returns ``(N, T)``, 0 on masked steps, detached.
     """
-    rewards, values, next_values, keep_value, _, m = _critic_inputs(
-        rewards, values, gamma, next_values, last_value, terminated, None, mask)
-    delta = rewards + gamma * keep_value * next_values - values
-    return delta * m if m is not None else delta
-
-
-def n_step_returns(rewards, values, gamma: float, n: int, *, next_values=None, last_value=None,
-                   terminated=None, dones=None, mask=None):
-    """n-step returns: ``n`` real rewards, then the critic's estimate of the rest.
-
-    ``G_t^(n) = sum_{k=0}^{m-1} gamma^k r_{t+k} + gamma^m (1 - terminated_{t+m-1}) V(s_{t+m})``
-
-    with ``m = min(n, steps left in the episode within the row)``: the sum stops early at the end
-    of an episode (``dones``) or of the row. ``n = 1`` is the TD target ``r_t + gamma V(s_{t+1})``;
-    ``n >= T`` is the Monte-Carlo return (bootstrapped only where an episode was cut short).
-    Computed directly from the definition, one shift per k: O(n N T). Returns ``(N, T)``.
-    """
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
-    rewards, values, next_values, keep_value, keep_trace, m = _critic_inputs(
-        rewards, values, gamma, next_values, last_value, terminated, dones, mask)
-    T = rewards.shape[1]
-    row_end = rewards * 0.0
-    row_end[:, -1] = 1.0
-    G, alive = rewards * 0.0, rewards * 0.0 + 1.0
-    for k in range(int(n)):
-        G = G + alive * gamma ** k * _shift_left(rewards, k)
-        # stop after step t+k at the end of its episode, of the row, or after n rewards
-        stop = 1.0 - _shift_left(keep_trace, k) * (1.0 - _shift_left(row_end, k))
-        if k == n - 1 or k == T - 1:
-            stop = stop * 0.0 + 1.0
-        bootstrap = gamma ** (k + 1) * _shift_left(keep_value, k) * _shift_left(next_values, k)
-        G = G + alive * stop * bootstrap
-        alive = alive * (1.0 - stop)
-        if k == T - 1:
-            break
-    return G * m if m is not None else G
-
-
-def _shift_left(x, k: int):
-    """``out[:, t] = x[:, t + k]``, and 0 where ``t + k`` runs past the last column."""
-    if k == 0:
-        return x
-    out = x * 0.0
-    out[:, :x.shape[1] - k] = x[:, k:]
-    return out
+    r, v, m, ends, bootstrap, restore = _critic_inputs(
+        rewards, values, gamma, next_values=next_values, last_value=last_value, terminated=terminated,
+        truncated=truncated, dones=dones, mask=mask)
+    return restore(torch.where(m, r + gamma * bootstrap - v, 0.0))
 
 
 def gae(rewards, values, gamma: float, gae_lambda: float, *, next_values=None, last_value=None,
-        terminated=None, dones=None, mask=None):
-    """Generalized advantage estimation, GAE(gamma, lambda) (Schulman et al., 2016).
+        terminated=None, truncated=None, dones=None, mask=None):
+    """Generalized advantage estimation, GAE(gamma, lambda) (Schulman et al., 2016, arXiv 1506.02438).
 
     ``A_t = sum_{l >= 0} (gamma lambda)^l delta_{t+l}``, computed backwards in O(N T) by
 
-    ``A_t = delta_t + gamma lambda (1 - done_t) A_{t+1}``,  ``A_T = 0``,
+    ``A_t = delta_t + gamma lambda (1 - end_t) A_{next(t)}``,  0 after the last real step,
 
-    with the TD residuals ``delta_t`` of :func:`td_residuals`. It is the exponentially weighted
-    average of the n-step advantages ``A_t^(n) = G_t^(n) - V(s_t)`` with weights
-    ``(1 - lambda) lambda^(n-1)`` (:func:`gae_from_n_step` computes it that way). ``lambda = 0``
-    gives ``delta_t`` (low variance, biased by V's errors); ``lambda = 1`` gives
-    ``G_t - V(s_t)`` (unbiased, the variance of Monte Carlo). The critic's regression target
-    ("lambda-return") is ``A_t + V(s_t)``. Returns ``(N, T)``, 0 on padding, detached.
+    with the TD residuals ``delta_t`` of :func:`td_residuals` and ``next(t)`` the next real step
+    of the row. It is the exponentially weighted average of the n-step advantages
+    ``A_t^(n) = G_t^(n) - V(s_t)`` with weights ``(1 - lambda) lambda^(n-1)`` (see
+    :func:`gae_from_n_step`). ``lambda = 0`` gives ``delta_t`` (low variance, biased by V's errors);
+    ``lambda = 1`` gives ``G_t - V(s_t)`` (unbiased, the variance of Monte Carlo). The critic's
+    regression target ("lambda-return") is ``A_t + V(s_t)``. Returns ``(N, T)``, 0 on masked steps.
     """
-    if not 0.0 <= gae_lambda <= 1.0:
-        raise ValueError(f"gae_lambda must be in [0, 1], got {gae_lambda!r}")
-    rewards, values, next_values, keep_value, keep_trace, m = _critic_inputs(
-        rewards, values, gamma, next_values, last_value, terminated, dones, mask)
-    delta = rewards + gamma * keep_value * next_values - values
-    if m is not None:
-        delta = delta * m
-    A, running = delta * 0.0, delta[:, 0] * 0.0
-    for t in range(delta.shape[1] - 1, -1, -1):  # backwards: A_t needs A_{t+1}
-        running = delta[:, t] + gamma * gae_lambda * keep_trace[:, t] * running
-        A[:, t] = running
-    return A
+    _check_unit_interval("gae_lambda", gae_lambda)
+    r, v, m, ends, bootstrap, restore = _critic_inputs(
+        rewards, values, gamma, next_values=next_values, last_value=last_value, terminated=terminated,
+        truncated=truncated, dones=dones, mask=mask)
+    delta = torch.where(m, r + gamma * bootstrap - v, 0.0)
+    return restore(_scan(delta, m, 0.0, gamma * gae_lambda, ends, torch.zeros_like(r)))
+
+
+def n_step_returns(rewards, values, gamma: float, n: int, *, next_values=None, last_value=None,
+                   terminated=None, truncated=None, dones=None, mask=None):
+    """n-step returns: ``n`` real rewards, then the critic's estimate of the rest.
+
+    ``G_t^(n) = sum_{k=0}^{j-1} gamma^k r_{t+k} + gamma^j V(s_{t+j})``
+
+    over the real steps ``t, t+1, ...`` of the row, with ``j = min(n, steps left in the episode
+    within the row)``: the sum stops early at an episode's end, where a termination bootstraps 0
+    and a truncation ``next_values``, or at the row's end (``last_value``). ``n = 1`` is the TD
+    target; ``n >= T`` is the Monte-Carlo return. O(n N T). Returns ``(N, T)``, 0 on masked steps.
+    """
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    r, v, m, ends, bootstrap, restore = _critic_inputs(
+        rewards, values, gamma, next_values=next_values, last_value=last_value, terminated=terminated,
+        truncated=truncated, dones=dones, mask=mask)
+    N, T = r.shape
+    # next_real[i, t]: the next real column after t (T when there is none), found backwards.
+    next_real = torch.full((N, T + 1), T, dtype=torch.long, device=r.device)
+    for t in range(T - 2, -1, -1):
+        next_real[:, t] = torch.where(m[:, t + 1], t + 1, next_real[:, t + 1])
+    stops = torch.cat([ends | (next_real[:, :T] == T), ends.new_ones(N, 1)], dim=1)
+    padded_r = torch.cat([torch.where(m, r, 0.0), r.new_zeros(N, 1)], dim=1)
+    padded_b = torch.cat([bootstrap, r.new_zeros(N, 1)], dim=1)
+    pos = torch.arange(T, device=r.device).expand(N, T)
+    alive, G = m.clone(), torch.zeros_like(r)
+    for k in range(min(int(n), T)):
+        G = G + torch.where(alive, gamma ** k * padded_r.gather(1, pos), 0.0)
+        stop = stops.gather(1, pos) | (k == n - 1)
+        G = G + torch.where(alive & stop, gamma ** (k + 1) * padded_b.gather(1, pos), 0.0)
+        alive = alive & ~stop
+        pos = next_real.gather(1, pos)
+    return restore(G)
 
 
 def gae_from_n_step(rewards, values, gamma: float, gae_lambda: float, **kwargs):
-    """GAE by its definition, a weighted sum of n-step advantages (the oracle for :func:`gae`).
+    """GAE by its definition, a weighted sum of n-step advantages (lesson 04's illustration).
 
     ``A_t = (1 - lambda) sum_{n=1}^{T-1} lambda^(n-1) A_t^(n) + lambda^(T-1) A_t^(T)``
 
     The infinite sum ``(1 - lambda) sum_{n>=1} lambda^(n-1) A_t^(n)`` is finite here because
     ``A_t^(n)`` stops changing once n reaches the end of the row: its tail of weights adds up to
-    ``lambda^(T-1)``. Costs O(N T^3): for tests and small illustrations only. ``kwargs`` are
-    those of :func:`n_step_returns`.
+    ``lambda^(T-1)``. Costs O(N T^3): for small illustrations only. ``kwargs`` are those of
+    :func:`n_step_returns`.
     """
-    if not 0.0 <= gae_lambda <= 1.0:
-        raise ValueError(f"gae_lambda must be in [0, 1], got {gae_lambda!r}")
-    rewards = _float_rewards(rewards)
-    T = rewards.shape[1]
-    base = _as_float(values.detach() if hasattr(values, "detach") else values, rewards)
-    total = rewards * 0.0
+    _check_unit_interval("gae_lambda", gae_lambda)
+    _, v, _, _, _, restore = _critic_inputs(rewards, values, gamma, **kwargs)  # validated, 0 on masked steps
+    base = restore(v)
+    total = base * 0
+    T = v.shape[1]
     for n in range(1, T + 1):
         weight = (1 - gae_lambda) * gae_lambda ** (n - 1) if n < T else gae_lambda ** (T - 1)
-        if weight == 0:
-            continue
-        total = total + weight * (n_step_returns(rewards, values, gamma, n, **kwargs) - base)
-    mask = kwargs.get("mask")
-    return total * _as_float(mask, total) if mask is not None else total
+        if weight:
+            total = total + weight * (n_step_returns(rewards, values, gamma, n, **kwargs) - base)
+    return total

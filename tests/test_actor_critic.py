@@ -76,3 +76,46 @@ def test_actor_critic_learns_cartpole():
 def test_bad_env_is_named():
     with pytest.raises(ValueError, match="discrete actions"):
         make_vector_env("Pendulum-v1", 1, seed=0)
+
+
+class FixedLogits(nn.Module):
+    """An actor whose logits are given (``-inf`` marks a masked action), plus a learnable offset."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.fixed = logits
+        self.shift = nn.Parameter(torch.zeros(logits.shape[-1], dtype=logits.dtype))
+
+    def forward(self, obs):
+        return self.fixed[: obs.shape[0]] + self.shift
+
+
+def test_entropy_with_masked_actions_is_finite_and_matches_a_loop():
+    """-inf logits (actions that are not allowed) count 0 log 0 = 0; p log p typed out gave NaN."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    logits[0, [1, 3]] = -float("inf")
+    logits[2, :4] = -float("inf")                  # one legal action: entropy exactly 0
+    logits[4, 0] = -float("inf")
+    agent = ActorCritic(3, 5).double()
+    agent.actor = FixedLogits(logits)
+    obs, actions = torch.zeros(6, 3, dtype=torch.float64), torch.tensor([0, 1, 4, 2, 1, 3])
+    logp, entropy = agent.logprob_entropy(obs, actions)
+    for i in range(6):                             # the oracle: a loop over the legal actions only
+        legal = [a for a in range(5) if logits[i, a] > -float("inf")]
+        z = sum(np.exp(float(logits[i, a])) for a in legal)
+        p = [np.exp(float(logits[i, a])) / z for a in legal]
+        assert float(entropy[i].detach()) == pytest.approx(-sum(q * np.log(q) for q in p), abs=1e-12)
+        assert float(logp[i].detach()) == pytest.approx(np.log(np.exp(float(logits[i, actions[i]])) / z), abs=1e-12)
+    assert float(entropy[2].detach()) == 0.0
+    entropy.sum().backward()
+    assert torch.isfinite(agent.actor.shift.grad).all()
+
+
+def test_a2c_refuses_settings_that_would_go_silently_wrong():
+    with pytest.raises(ValueError, match="total_timesteps"):
+        train_actor_critic(total_timesteps=100, num_envs=8, num_steps=16, progress=False)
+    with pytest.raises(ValueError, match="norm_adv"):
+        train_actor_critic(total_timesteps=10, num_envs=1, num_steps=1, norm_adv=True, progress=False)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        train_actor_critic(total_timesteps=128, max_grad_norm=0.0, progress=False)

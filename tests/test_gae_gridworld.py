@@ -57,12 +57,41 @@ def test_exact_critic_gives_zero_bias_and_lambda_one_gives_a_state_only_bias(set
     np.testing.assert_allclose(bias[alive], -np.repeat(e[alive, None], mdp.n_actions, 1), atol=1e-10)
 
 
-def test_bias_variance_trend(setup):
+def test_bias_variance_trend_and_scores_against_a_per_visit_loop(setup):
+    """bias2 and variance re-computed visit by visit in plain Python, and their sum against the
+    directly measured squared error of the estimates (which holds only if the exact bias is right)."""
     env, policy = setup
-    bv = GAEStudy(env, policy, critic_noise=2.0, n_episodes=1000, max_steps=40).bias_variance([0.0, 0.5, 1.0], 0.9)
+    mdp, gamma = env.mdp, 0.9
+    study = GAEStudy(env, policy, critic_noise=2.0, n_episodes=1000, max_steps=40)
+    lambdas = [0.0, 0.5, 1.0]
+    bv = study.bias_variance(lambdas, gamma)
     assert bv["bias2"][0] > bv["bias2"][1] > bv["bias2"][2] and bv["bias2"][2] < 1e-12
     assert bv["variance"][0] < bv["variance"][1] < bv["variance"][2]
-    np.testing.assert_allclose(bv["mse"], bv["bias2"] + bv["variance"])
+    V, A = study.exact(gamma)
+    ep = study.episodes
+    visits = [(i, t) for i in range(ep["mask"].shape[0]) for t in range(ep["mask"].shape[1]) if ep["mask"][i, t]]
+    for k, lam in enumerate(lambdas):
+        est = study.estimates(lam, gamma)
+        expected = expected_gae(mdp, policy, V + study.critic_error, gamma, lam)
+        groups = {}
+        for i, t in visits:
+            groups.setdefault((int(ep["states"][i, t]), int(ep["actions"][i, t])), []).append(est[i, t])
+        group_mean = {key: sum(xs) / len(xs) for key, xs in groups.items()}
+
+        def centred_bias(s, a):  # b(s, a) minus its policy-weighted mean over the state's actions
+            return (expected[s, a] - A[s, a]) - sum(policy[s, b] * (expected[s, b] - A[s, b])
+                                                    for b in range(mdp.n_actions))
+
+        bias2 = variance = direct = 0.0
+        for i, t in visits:
+            s, a = int(ep["states"][i, t]), int(ep["actions"][i, t])
+            bias2 += centred_bias(s, a) ** 2 / len(visits)
+            variance += (est[i, t] - group_mean[s, a]) ** 2 / len(visits)
+            # the estimate's error w.r.t. the truth, up to the same state-only offset
+            direct += (est[i, t] - A[s, a] - (expected[s, a] - A[s, a] - centred_bias(s, a))) ** 2 / len(visits)
+        assert bv["bias2"][k] == pytest.approx(bias2, rel=1e-9, abs=1e-15)
+        assert bv["variance"][k] == pytest.approx(variance, rel=1e-9)
+        assert bv["mse"][k] == pytest.approx(direct, rel=0.05)
 
 
 def test_expected_n_step_limits_and_sample_mean(setup):

@@ -18,7 +18,7 @@ def test_check_env_passes_without_warnings(layout, render_mode):
         check_env(env.unwrapped)
 
 
-def test_maze_matches_the_syllabus():
+def test_maze_layout_has_goal_trap_and_rewards():
     env = GridWorld("maze2x3")
     assert (env.n_rows, env.n_cols) == (2, 3)
     goal, trap = env.state_of(1, 2), env.state_of(0, 2)

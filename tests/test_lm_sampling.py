@@ -134,7 +134,7 @@ def test_token_logprobs_is_a_gather_not_a_vocabulary_sum():
     tokens = torch.randint(0, 7, (3, 4))
     expected = torch.distributions.Categorical(logits=logits / 0.8).log_prob(tokens)
     assert torch.allclose(token_logprobs_from_logits(logits, tokens, 0.8), expected, atol=1e-6)
-    wrong = F.log_softmax(logits, -1).sum(-1)                 # the syllabus' slip
+    wrong = F.log_softmax(logits, -1).sum(-1)                 # the vocabulary-sum slip
     assert not torch.allclose(token_logprobs_from_logits(logits, tokens), wrong)
 
 

@@ -6,7 +6,7 @@ import torch
 import rlcourse  # noqa: F401
 from rlcourse import losses
 
-# Syllabus 004's table, worked out by hand: min(r A, clip(r, 0.8, 1.2) A) for eps = 0.2.
+# The clip table, worked out by hand: min(r A, clip(r, 0.8, 1.2) A) for eps = 0.2.
 RATIOS = [0.5, 1.0, 1.5]
 CLIP_TABLE = {-5: [-4.0, -5.0, -7.5], -1: [-0.8, -1.0, -1.5], 1: [0.5, 1.0, 1.2], 5: [2.5, 5.0, 6.0]}
 

@@ -55,12 +55,32 @@ def test_device_and_threads(monkeypatch):
         runtime.set_threads(0)
 
 
-def test_importing_rlcourse_sets_omp_wait_policy_before_torch():
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "HF_HUB_OFFLINE")}
-    code = ("import sys, os, rlcourse; assert 'torch' not in sys.modules; "
-            "print(os.environ['OMP_WAIT_POLICY'], os.environ['HF_HUB_OFFLINE'])")
+HF_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def test_importing_rlcourse_sets_omp_wait_policy_and_nothing_else():
+    """OMP_WAIT_POLICY is set before torch; the user's Hugging Face settings are left alone."""
+    # gymnasium (imported to register the gridworld) sets PYGAME_HIDE_SUPPORT_PROMPT itself
+    ignored = ("OMP_WAIT_POLICY", "PYGAME_HIDE_SUPPORT_PROMPT") + HF_VARIABLES
+    env = {k: v for k, v in os.environ.items() if k not in ignored}
+    code = ("import sys, os; before = dict(os.environ); import rlcourse; "
+            "assert 'torch' not in sys.modules; "
+            "print(sorted(k for k in os.environ if os.environ.get(k) != before.get(k) "
+            "and k != 'PYGAME_HIDE_SUPPORT_PROMPT'), os.environ['OMP_WAIT_POLICY'])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["PASSIVE", "1"]
+    assert out.stdout.split() == ["['OMP_WAIT_POLICY']", "PASSIVE"]
+
+
+def test_checkpoints_load_without_offline_variables_or_network():
+    """Without HF_HUB_OFFLINE and with an unreachable Hub, a shipped checkpoint still loads (no request)."""
+    env = {k: v for k, v in os.environ.items() if k not in HF_VARIABLES}
+    env["HF_ENDPOINT"] = "http://127.0.0.1:9"      # the discard port: any request would fail
+    code = ("import rlcourse, os; from rlcourse.lm import load_checkpoint; "
+            "m, t = load_checkpoint('addition', device='cpu'); "
+            "print(type(m).__name__, len(t), os.environ.get('HF_HUB_OFFLINE'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         timeout=120)
+    assert out.stdout.split() == ["GPT2LMHeadModel", "81", "None"]
 
 
 def test_command_line_info():

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import rlcourse  # noqa: F401  (registers the course's envs)
-from rlcourse import losses, returns
+from rlcourse import kl, losses, returns
 from rlcourse.classic.policies import mlp
 from rlcourse.runtime import seed_everything
 
@@ -52,11 +52,19 @@ class ActorCritic(nn.Module):
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(self._cast(obs)).squeeze(-1)
 
+    def log_distribution(self, obs: torch.Tensor) -> torch.Tensor:
+        """``log pi(.|s)`` over all actions, shape ``(..., n_actions)``: what exact KL and entropy take."""
+        return torch.log_softmax(self.logits(obs), dim=-1)
+
     def logprob_entropy(self, obs: torch.Tensor, actions: torch.Tensor):
-        """``log pi(a|s)`` of the given actions and the entropy of ``pi(.|s)``, with grad."""
-        logp_all = torch.log_softmax(self.logits(obs), dim=-1)
+        """``log pi(a|s)`` of the given actions and the entropy of ``pi(.|s)``, with grad.
+
+        The entropy is :func:`rlcourse.kl.entropy`, which counts ``0 log 0 = 0``: an action masked
+        with a ``-inf`` logit contributes nothing (``p log p`` typed out here would give NaN).
+        """
+        logp_all = self.log_distribution(obs)
         logp = logp_all.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-        return logp, -(logp_all.exp() * logp_all).sum(-1)
+        return logp, kl.entropy(logp_all)
 
 
 def make_vector_env(env_id: str, num_envs: int, seed: int, env_kwargs: dict | None = None) -> gym.vector.VectorEnv:
@@ -196,6 +204,16 @@ def solved(episodes: EpisodeLog, target_return: float | None, window: int) -> bo
             and episodes.last_mean_return(window) >= target_return)
 
 
+def clip_gradients(agent: nn.Module, max_grad_norm: float) -> float:
+    """Clip the gradient's global norm to ``max_grad_norm`` (one unlucky batch cannot take a giant
+    step); raise instead of stepping if any gradient is NaN or infinite, so that a broken batch
+    never turns the parameters into NaN silently. Returns the norm before clipping."""
+    try:
+        return float(nn.utils.clip_grad_norm_(agent.parameters(), max_grad_norm, error_if_nonfinite=True))
+    except RuntimeError as err:
+        raise FloatingPointError(f"non-finite gradient: the update was not applied ({err})") from None
+
+
 def train_actor_critic(env_id: str = "CartPole-v1", *, total_timesteps: int = 100_000, num_envs: int = 8,
                        num_steps: int = 16, learning_rate: float = 1e-3, gamma: float = 0.99,
                        gae_lambda: float = 0.95, vf_coef: float = 0.5, ent_coef: float = 0.01,
@@ -210,6 +228,11 @@ def train_actor_critic(env_id: str = "CartPole-v1", *, total_timesteps: int = 10
     """
     if total_timesteps < num_envs * num_steps:
         raise ValueError(f"total_timesteps must cover one rollout ({num_envs * num_steps}), got {total_timesteps}")
+    if norm_adv and num_envs * num_steps < 2:
+        raise ValueError("norm_adv=True needs at least 2 transitions per rollout (num_envs * num_steps): "
+                         "one advantage normalised by its own std is always 0")
+    if not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
     from tqdm.auto import tqdm
 
     seed_everything(seed)
@@ -230,7 +253,7 @@ def train_actor_critic(env_id: str = "CartPole-v1", *, total_timesteps: int = 10
         loss = policy_loss + vf_coef * v_loss - ent_coef * entropy.mean()
         opt.zero_grad()
         loss.backward()
-        nn.utils.clip_grad_norm_(agent.parameters(), max_grad_norm)  # guards against rare huge steps
+        clip_gradients(agent, max_grad_norm)
         opt.step()
         for key, val in (("policy_loss", policy_loss), ("value_loss", v_loss), ("entropy", entropy.mean())):
             updates[key].append(float(val.detach()))

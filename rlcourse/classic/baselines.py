@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlcourse.returns import _as_float
+import torch
 
 
 def batch_mean_baseline(values, mask=None):
@@ -20,10 +20,15 @@ def batch_mean_baseline(values, mask=None):
     """
     if mask is None:
         return values.mean()
-    m = _as_float(mask, values)
-    if float(m.sum()) == 0:
+    if isinstance(values, torch.Tensor):
+        m = torch.as_tensor(mask, device=values.device).bool()
+        real = torch.where(m, values, 0.0)
+    else:
+        m = np.asarray(mask, dtype=bool)
+        real = np.where(m, values, 0.0)  # padding may hold anything: it must not count
+    if int(m.sum()) == 0:
         raise ValueError("mask selects no entries: the batch mean is undefined")
-    return (values * m).sum() / m.sum()
+    return real.sum() / m.sum()
 
 
 def moving_average_baselines(batch_means, decay: float = 0.9) -> np.ndarray:

@@ -7,12 +7,12 @@ Pseudocode::
         A_t <- GAE(gamma, lambda), bootstrapping truncated episodes       (returns.gae)
         for epoch in 1..update_epochs:
             for each shuffled minibatch:
-                normalise A within the minibatch
+                whiten A within the minibatch                                (returns.whiten)
                 loss = -L^CLIP + vf_coef * L^V - ent_coef * H              (losses.ppo_clip_loss, ...)
                 clip the gradient's global norm, take an Adam step
             stop the epochs early if approx KL > target_kl (optional)
 
-Every formula comes from :mod:`rlcourse.returns` and :mod:`rlcourse.losses`; this file only wires
+Every formula comes from :mod:`rlcourse.returns`, :mod:`rlcourse.losses` and :mod:`rlcourse.kl`; this file only wires
 them together, commenting each implementation detail where it happens (the "37 details" of
 Huang et al., 2022, that matter on CartPole). The defaults are the CartPole-v1 settings of
 rl-baselines3-zoo (8 envs x 32 steps, 20 epochs, gamma 0.98, lambda 0.8, lr 1e-3 annealed), which
@@ -21,6 +21,11 @@ solve it in about 100k steps instead of the 500k budget of CleanRL's generic def
 ``loss_type="penalty"`` swaps the clipped loss for PPO-penalty: the unclipped surrogate minus
 ``beta * KL(pi_old || pi_theta)`` (exact per state), with beta halved or doubled after each update
 by :func:`rlcourse.losses.adaptive_kl_beta` so the update's KL tracks ``kl_target``.
+
+Advantage normalisation (``norm_adv``) is :func:`rlcourse.returns.whiten`: mean and *population*
+standard deviation (``ddof=0``) of the minibatch, ``(A - mean) / (std + 1e-8)``, the convention of
+every trainer in the course. (CleanRL's ``adv.std()`` uses ``ddof=1``; at 256 samples the two
+differ by 0.2%, and ``ddof=1`` turns a one-sample minibatch into NaN.)
 """
 from __future__ import annotations
 
@@ -28,11 +33,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
-from rlcourse import losses
-from rlcourse.classic.actor_critic import (ActorCritic, RolloutCollector, TrainResult, make_vector_env,
-                                           solved)
+from rlcourse import kl, losses, returns
+from rlcourse.classic.actor_critic import (ActorCritic, RolloutCollector, TrainResult, clip_gradients,
+                                           make_vector_env, solved)
 from rlcourse.runtime import seed_everything
 
 
@@ -41,7 +45,7 @@ class PPOConfig:
     """PPO's settings, named as in CleanRL's ``ppo.py``."""
 
     env_id: str = "CartPole-v1"
-    total_timesteps: int = 150_000
+    total_timesteps: int = 150_000  # rounded down to whole batches; at least one batch
     num_envs: int = 8
     num_steps: int = 32            # per env per rollout: a batch of num_envs * num_steps transitions
     learning_rate: float = 1e-3
@@ -69,9 +73,17 @@ class PPOConfig:
         for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "hidden"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if (self.num_envs * self.num_steps) % self.num_minibatches:
+        batch_size = self.num_envs * self.num_steps
+        if batch_size % self.num_minibatches:
             raise ValueError(f"num_minibatches={self.num_minibatches} must divide the batch "
-                             f"num_envs * num_steps = {self.num_envs * self.num_steps}")
+                             f"num_envs * num_steps = {batch_size}")
+        if self.total_timesteps < batch_size:
+            raise ValueError(f"total_timesteps={self.total_timesteps} is less than one batch "
+                             f"(num_envs * num_steps = {batch_size}): PPO would not update at all")
+        if self.norm_adv and batch_size // self.num_minibatches < 2:
+            raise ValueError(f"num_minibatches={self.num_minibatches} leaves one transition per minibatch, "
+                             f"and norm_adv=True cannot normalise a single advantage (its std is 0): "
+                             f"use fewer minibatches or norm_adv=False")
         if not 0 <= self.gamma <= 1 or not 0 <= self.gae_lambda <= 1:
             raise ValueError(f"gamma and gae_lambda must be in [0, 1], got {self.gamma}, {self.gae_lambda}")
         if self.loss_type not in ("clip", "penalty"):
@@ -79,6 +91,8 @@ class PPOConfig:
         if self.learning_rate <= 0 or self.clip_coef < 0:
             raise ValueError(f"learning_rate must be > 0 and clip_coef >= 0, got "
                              f"{self.learning_rate}, {self.clip_coef}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}")
 
 
 DIAGNOSTICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "update_kl",
@@ -145,8 +159,11 @@ def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, batch: dict, cfg:
     plus ``update_kl``: the exact mean KL(pi_old || pi_new) over the batch's states after the update.
     With ``cfg.loss_type == "penalty"`` the policy loss is PPO-penalty with coefficient ``kl_beta``.
     """
+    for key in ("advantages", "returns", "logprobs", "values"):  # before any step, not mid-epoch
+        if not torch.isfinite(batch[key]).all():
+            raise ValueError(f"batch['{key}'] hold nan or inf: the update was not applied")
     with torch.no_grad():  # pi_old(.|s) for every state: the exact per-state KL of PPO-penalty
-        old_log_dist = torch.log_softmax(agent.logits(batch["obs"]), -1)
+        old_log_dist = agent.log_distribution(batch["obs"])
     beta = cfg.kl_beta if kl_beta is None else kl_beta
     batch_size = batch["actions"].shape[0]
     minibatch_size = batch_size // cfg.num_minibatches
@@ -163,13 +180,12 @@ def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, batch: dict, cfg:
                 # Advantage normalisation per minibatch: zero mean, unit std. The scale of the
                 # rewards then does not set the step size; the sign of each advantage is kept
                 # relative to the minibatch mean.
-                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+                adv = returns.whiten(adv)
             if cfg.loss_type == "clip":
                 policy_loss = losses.ppo_clip_loss(logp, batch["logprobs"][idx], adv, clip_coef=cfg.clip_coef)
             else:  # PPO-penalty: no clip; the KL to pi_old, exact per state, is the brake
-                log_dist = torch.log_softmax(agent.logits(batch["obs"][idx]), -1)
-                kl = (old_log_dist[idx].exp() * (old_log_dist[idx] - log_dist)).sum(-1)
-                policy_loss = losses.ppo_penalty_loss(logp, batch["logprobs"][idx], adv, kl, beta)
+                kl_to_old = kl.exact_kl(old_log_dist[idx], agent.log_distribution(batch["obs"][idx]))
+                policy_loss = losses.ppo_penalty_loss(logp, batch["logprobs"][idx], adv, kl_to_old, beta)
             # The value loss, optionally clipped around the old values (baselines' detail).
             v_loss = losses.value_loss(agent.value(batch["obs"][idx]), batch["returns"][idx],
                                        old_values=batch["values"][idx],
@@ -180,7 +196,7 @@ def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, batch: dict, cfg:
             opt.zero_grad()
             loss.backward()
             # Global gradient-norm clipping: one unlucky minibatch cannot take a giant step.
-            nn.utils.clip_grad_norm_(agent.parameters(), cfg.max_grad_norm)
+            clip_gradients(agent, cfg.max_grad_norm)
             opt.step()
             diag = losses.ppo_diagnostics(logp, batch["logprobs"][idx], mask=None, clip_coef=cfg.clip_coef)
             for key, val in (("policy_loss", policy_loss), ("value_loss", v_loss),
@@ -194,8 +210,7 @@ def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, batch: dict, cfg:
             break
     out = {key: total / n_steps_taken for key, total in sums.items()}
     with torch.no_grad():
-        new_log_dist = torch.log_softmax(agent.logits(batch["obs"]), -1)
-        out["update_kl"] = float((old_log_dist.exp() * (old_log_dist - new_log_dist)).sum(-1).mean())
+        out["update_kl"] = float(kl.exact_kl(old_log_dist, agent.log_distribution(batch["obs"])).mean())
     return out
 
 
@@ -242,17 +257,15 @@ def surrogates_along_interpolation(agent_old: ActorCritic, agent_new: ActorCriti
     old_flat = torch.nn.utils.parameters_to_vector(agent_old.actor.parameters())
     new_flat = torch.nn.utils.parameters_to_vector(agent_new.actor.parameters())
     probe = copy.deepcopy(agent_old)
-    adv = batch["advantages"]
-    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-    old_dist = torch.log_softmax(agent_old.logits(batch["obs"]), -1)
+    adv = returns.whiten(batch["advantages"])
+    old_dist = agent_old.log_distribution(batch["obs"])
     out = {"alpha": [], "cpi": [], "clip": [], "kl": []}
     for alpha in alphas:
         torch.nn.utils.vector_to_parameters(old_flat + float(alpha) * (new_flat - old_flat), probe.actor.parameters())
         logp, _ = probe.logprob_entropy(batch["obs"], batch["actions"])
         ratio = losses.importance_ratio(logp, batch["logprobs"])
-        dist = torch.log_softmax(probe.logits(batch["obs"]), -1)
         out["alpha"].append(float(alpha))
         out["cpi"].append(float((ratio * adv).mean()))
         out["clip"].append(float(losses.ppo_clip_objective(ratio, adv, clip_coef).mean()))
-        out["kl"].append(float((old_dist.exp() * (old_dist - dist)).sum(-1).mean()))
+        out["kl"].append(float(kl.exact_kl(old_dist, probe.log_distribution(batch["obs"])).mean()))
     return {k: np.array(v) for k, v in out.items()}

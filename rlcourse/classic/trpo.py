@@ -15,9 +15,14 @@ then a backtracking line search that halves the step until the *exact* sample KL
 and the surrogate has improved. Pseudocode of one update::
 
     collect a rollout, A_t <- GAE                       (actor_critic.RolloutCollector)
+    whiten A                                            (returns.whiten)
     g <- grad L;  x <- conjugate_gradient(F v, g)       (fisher_vector_product)
     theta <- line_search(theta_old + natural step)      (backtracking_line_search)
     fit V_phi to the returns with a few Adam epochs
+
+:func:`policy_step` is one such update of the policy. Where there is nothing to follow (a zero
+policy gradient, e.g. every advantage equal, or one action only, so that CG returns ``x = 0``)
+it skips the step, documented in its result (``accepted=False, tries=0``), instead of failing.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rlcourse import losses, returns, tabular
+from rlcourse import kl, losses, returns, tabular
 from rlcourse.classic.actor_critic import ActorCritic, RolloutCollector, TrainResult, make_vector_env, solved
 from rlcourse.runtime import seed_everything
 
@@ -142,6 +147,49 @@ def backtracking_line_search(params, full_step: torch.Tensor, surrogate_fn, kl_f
     return LineSearchResult(False, 0.0, float("nan"), float("nan"), max_backtracks)
 
 
+# ---------------------------------------------------------------------------------- one update of the policy
+@dataclass
+class PolicyStep:
+    gradient: torch.Tensor      # g = grad L(theta) at theta_old
+    direction: torch.Tensor     # x ~ (F + damping I)^{-1} g, by conjugate gradient
+    search: LineSearchResult    # what the line search accepted (tries=0: skipped, nothing to follow)
+
+
+def policy_step(agent: ActorCritic, batch: dict, max_kl: float, cg_iters: int = 10,
+                damping: float = 0.1) -> PolicyStep:
+    """One TRPO update of ``agent.actor`` on a rollout (:meth:`Rollout.flat`'s dict), in place.
+
+    The surrogate is ``L(theta) = mean(ratio * A)`` with the whitened advantages, the constraint
+    ``KL_bar(theta) = mean_s KL(pi_old(.|s) || pi_theta(.|s))``, exact per state
+    (:func:`rlcourse.kl.exact_kl`). If CG finds no direction with ``x^T F x > 0`` (the gradient
+    is zero, or below CG's tolerance) the parameters are left as they are and the result says
+    ``accepted=False, tries=0``. A NaN or infinite gradient raises ``FloatingPointError``.
+    """
+    policy_params = list(agent.actor.parameters())
+    obs, actions, old_logp = batch["obs"], batch["actions"], batch["logprobs"]
+    adv = returns.whiten(batch["advantages"])
+    with torch.no_grad():
+        old_log_dist = agent.log_distribution(obs)
+
+    def surrogate():  # L(theta) = mean(ratio * A): the unclipped surrogate of PPO-penalty
+        logp, _ = agent.logprob_entropy(obs, actions)
+        return (losses.importance_ratio(logp, old_logp) * adv).mean()
+
+    def mean_kl():  # KL_bar(theta), with a graph to theta for the Fisher-vector products
+        return kl.exact_kl(old_log_dist, agent.log_distribution(obs)).mean()
+
+    g = flat_grad(surrogate(), policy_params)
+    if not torch.isfinite(g).all():
+        raise FloatingPointError("the policy gradient is NaN or infinite: the update was not applied")
+    Fvp = lambda v: fisher_vector_product(mean_kl, policy_params, v, damping)  # noqa: E731
+    direction = conjugate_gradient(Fvp, g, iters=cg_iters)
+    Fd = Fvp(direction)
+    if not float(direction @ Fd) > 0:  # nothing to follow: a flat surrogate (x = 0)
+        return PolicyStep(g, direction, LineSearchResult(False, 0.0, float("nan"), float("nan"), 0))
+    full_step = natural_step(direction, Fd, max_kl)
+    return PolicyStep(g, direction, backtracking_line_search(policy_params, full_step, surrogate, mean_kl, max_kl))
+
+
 # ---------------------------------------------------------------------------------- the trainer
 def train_trpo(env_id: str = "CartPole-v1", *, total_timesteps: int = 50_000, num_envs: int = 8,
                num_steps: int = 128, max_kl: float = 0.01, cg_iters: int = 10, damping: float = 0.1,
@@ -151,16 +199,22 @@ def train_trpo(env_id: str = "CartPole-v1", *, total_timesteps: int = 50_000, nu
                progress: bool = True) -> TrainResult:
     """TRPO on a discrete-action env. ``updates`` holds, per update: ``kl`` (of the accepted step),
     ``step_fraction``, ``improvement``, ``accepted``, ``value_loss`` and ``step``.
-    ``max_kl`` is the trust region's radius delta.
+    ``max_kl`` is the trust region's radius delta. An update whose policy gradient is zero is
+    skipped (``accepted`` False, ``step_fraction`` 0; the critic still learns): see :func:`policy_step`.
     """
     if total_timesteps < num_envs * num_steps:
         raise ValueError(f"total_timesteps must cover one rollout ({num_envs * num_steps}), got {total_timesteps}")
+    if num_envs * num_steps < 2:
+        raise ValueError(f"num_envs * num_steps must be >= 2 (whitened advantages of a single "
+                         f"transition are 0), got {num_envs} * {num_steps}")
+    if not max_kl > 0 or damping < 0 or cg_iters < 1:
+        raise ValueError(f"max_kl must be > 0, damping >= 0 and cg_iters >= 1, got "
+                         f"max_kl={max_kl!r}, damping={damping!r}, cg_iters={cg_iters!r}")
     from tqdm.auto import tqdm
 
     seed_everything(seed)
     envs = make_vector_env(env_id, num_envs, seed)
     agent = ActorCritic(envs.single_observation_space.shape[0], int(envs.single_action_space.n), hidden)
-    policy_params = list(agent.actor.parameters())
     value_opt = torch.optim.Adam(agent.critic.parameters(), lr=value_lr)
     collector = RolloutCollector(envs, seed)
     updates = {k: [] for k in ("kl", "step_fraction", "improvement", "accepted", "value_loss", "step")}
@@ -168,26 +222,10 @@ def train_trpo(env_id: str = "CartPole-v1", *, total_timesteps: int = 50_000, nu
     bar = tqdm(total=total_timesteps, desc=f"TRPO {env_id}", unit="step", disable=not progress)
     while collector.global_step + num_envs * num_steps <= total_timesteps:
         batch = collector.collect(agent, num_steps, gamma, gae_lambda).flat()
-        obs, actions, old_logp = batch["obs"], batch["actions"], batch["logprobs"]
-        adv = returns.whiten(batch["advantages"])
-        with torch.no_grad():
-            old_log_dist = torch.log_softmax(agent.logits(obs), -1)
-
-        def surrogate():  # L(theta) = mean(ratio * A): the unclipped surrogate of PPO-penalty
-            logp, _ = agent.logprob_entropy(obs, actions)
-            return (losses.importance_ratio(logp, old_logp) * adv).mean()
-
-        def mean_kl():  # KL_bar(theta) = mean_s KL(pi_old(.|s) || pi_theta(.|s)), exact per state
-            log_dist = torch.log_softmax(agent.logits(obs), -1)
-            return (old_log_dist.exp() * (old_log_dist - log_dist)).sum(-1).mean()
-
-        g = flat_grad(surrogate(), policy_params)
-        Fvp = lambda v: fisher_vector_product(mean_kl, policy_params, v, damping)  # noqa: E731
-        direction = conjugate_gradient(Fvp, g, iters=cg_iters)
-        full_step = natural_step(direction, Fvp(direction), max_kl)
-        result = backtracking_line_search(policy_params, full_step, surrogate, mean_kl, max_kl)
+        result = policy_step(agent, batch, max_kl, cg_iters, damping).search
 
         # The critic: a few epochs of minibatch regression on the GAE returns.
+        obs = batch["obs"]
         n = obs.shape[0]
         for _ in range(value_epochs):
             for idx in torch.randperm(n).chunk(value_minibatches):

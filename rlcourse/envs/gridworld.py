@@ -27,7 +27,7 @@ from gymnasium import spaces
 from rlcourse.tabular import TabularMDP
 
 LAYOUTS: dict[str, tuple[str, ...]] = {
-    # The syllabus' 2x3 maze: reach the goal (+10) without stepping into the trap (-10).
+    # A 2x3 maze: reach the goal (+10) without stepping into the trap (-10).
     "maze2x3": ("S.T",
                 "..G"),
     # A 4x4 world where the only safe route to the goal runs past a trap.

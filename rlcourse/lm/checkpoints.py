@@ -46,8 +46,9 @@ def load_checkpoint(name: str, device=None):
 
     path = checkpoint_path(name)
     with _quiet_transformers():
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-        model = GPT2LMHeadModel.from_pretrained(path).to(device or best_device())
+        # local_files_only: a shipped checkpoint never needs the network, whatever HF_HUB_OFFLINE says
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        model = GPT2LMHeadModel.from_pretrained(path, local_files_only=True).to(device or best_device())
     model.eval()
     return model, tokenizer
 

@@ -10,7 +10,7 @@ tokens, ``log pi(y | x) = sum_t m_t log pi(y_t | x, y_<t)``, where the mask ``m_
 real tokens (up to and including EOS) and 0 for the padding after it.
 
 The right computation is a log-softmax over the vocabulary *followed by a gather of the token that
-was actually sampled*. A common slip (it is in the syllabus' pseudocode) keeps the log-softmax of
+was actually sampled*. A common slip (it appears in published pseudocode) keeps the log-softmax of
 the whole vocabulary, or sums it, as if it were the action's log-prob: that is a different number
 with no gradient meaning.
 
@@ -18,8 +18,19 @@ Left padding: GPT-2 learns absolute position embeddings. A left-padded prompt mu
 real token position 0, so position ids are computed from the attention mask, ``cumsum - 1``
 (clamped at 0 for the pads, which nothing attends to). Without this the log-probs of the same
 tokens differ between the sampler and the trainer.
+
+Masks mean "not there": a masked token (a prompt's left pad, a completion's pad after EOS, or a
+hole) is not attended to, takes no position, and its id is never looked up, so whatever id it
+holds cannot change a real token's log-prob; its own log-prob comes back as exactly 0. Prompts
+must be *left*-padded (the last prompt column real in every row): with a pad after the prompt,
+the first completion token would be predicted from the pad's column. Bad input (right-padded
+prompts, ids outside the vocabulary, more real tokens than the model has positions, a temperature
+that is not a positive number) raises a ``ValueError`` naming the argument, before the model runs.
 """
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +39,35 @@ import torch.nn.functional as F
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position of each token among the real tokens of its row: ``cumsum(mask) - 1``, pads at 0."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _check_temperature(temperature) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or \
+            not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return float(temperature)
+
+
+def _check_ids(name: str, ids, vocab_size: int | None = None, mask=None) -> None:
+    """``ids`` is an integer tensor whose real entries (``mask`` 1) lie in ``[0, vocab_size)``."""
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor of token ids, got "
+                         f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    if vocab_size is None:
+        return
+    real = ids if mask is None else ids[mask.bool()]
+    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab_size):
+        raise ValueError(f"{name} must hold token ids in [0, {vocab_size}) (the model's vocabulary) where "
+                         f"the mask is 1, got ids from {int(real.min())} to {int(real.max())}")
+
+
+def _check_mask(name: str, mask, shape) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (that of its ids), got "
+                         f"{tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+    if mask.numel() and not ((mask == 0) | (mask == 1)).all():
+        raise ValueError(f"{name} must hold only 0 and 1 (or booleans): 1 = a real token, 0 = not there")
+    return mask.long()
 
 
 def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor,
@@ -44,25 +84,49 @@ def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor,
     if tokens.shape != logits.shape[:2]:
         raise ValueError(f"tokens must have shape {tuple(logits.shape[:2])} to match logits, "
                          f"got {tuple(tokens.shape)}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    temperature = _check_temperature(temperature)
+    _check_ids("tokens", tokens, logits.shape[-1])
     logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
     return logp_all.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
-def _check_batch(prompt_ids, completion_ids, completion_mask=None, prompt_mask=None):
+def _model_inputs(model, prompt_ids, completion_ids, prompt_mask=None, completion_mask=None):
+    """Validate a ``[prompt | completion]`` batch for ``model``; return ``(input_ids, attention_mask)``.
+
+    Masked ids are replaced by 0 (any id in the vocabulary would do: nothing attends to them), so
+    a pad id of -100 or one past the vocabulary cannot crash the embedding lookup.
+    """
+    _check_ids("prompt_ids", prompt_ids)
+    _check_ids("completion_ids", completion_ids)
     if prompt_ids.dim() != 2 or completion_ids.dim() != 2:
         raise ValueError(f"prompt_ids and completion_ids must be 2-D (B, P) and (B, T), got "
                          f"{tuple(prompt_ids.shape)} and {tuple(completion_ids.shape)}")
     if prompt_ids.shape[0] != completion_ids.shape[0]:
         raise ValueError(f"prompt_ids and completion_ids must have the same batch size, got "
                          f"{prompt_ids.shape[0]} and {completion_ids.shape[0]}")
-    if completion_mask is not None and completion_mask.shape != completion_ids.shape:
-        raise ValueError(f"completion_mask must have completion_ids' shape "
-                         f"{tuple(completion_ids.shape)}, got {tuple(completion_mask.shape)}")
-    if prompt_mask is not None and prompt_mask.shape != prompt_ids.shape:
-        raise ValueError(f"prompt_mask must have prompt_ids' shape {tuple(prompt_ids.shape)}, "
-                         f"got {tuple(prompt_mask.shape)}")
+    prompt_mask = (torch.ones_like(prompt_ids) if prompt_mask is None
+                   else _check_mask("prompt_mask", prompt_mask, prompt_ids.shape))
+    completion_mask = (torch.ones_like(completion_ids) if completion_mask is None
+                       else _check_mask("completion_mask", completion_mask, completion_ids.shape))
+    if prompt_ids.shape[1] == 0:
+        raise ValueError("prompt_ids has no columns: every prompt needs at least one token (e.g. BOS), "
+                         "since the first completion token is predicted from the prompt's last one")
+    if (prompt_mask[:, -1] == 0).any():
+        row = int((prompt_mask[:, -1] == 0).nonzero()[0])
+        raise ValueError(f"prompt_mask must be 1 in the last column of every row (prompts left-padded), but "
+                         f"row {row} is {prompt_mask[row].tolist()}: the first completion token would be "
+                         f"predicted from a pad. Tokenize prompts with padding_side='left'.")
+    vocab_size = model.get_input_embeddings().num_embeddings
+    _check_ids("prompt_ids", prompt_ids, vocab_size, prompt_mask)
+    _check_ids("completion_ids", completion_ids, vocab_size, completion_mask)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(prompt_ids.device)
+    n_positions = getattr(model.config, "max_position_embeddings", None)
+    longest = int(attention_mask.sum(1).max()) if attention_mask.numel() else 0
+    if n_positions is not None and longest > n_positions:
+        raise ValueError(f"prompt_ids and completion_ids hold up to {longest} real tokens in a row, more than "
+                         f"the model's {n_positions} positions (max_position_embeddings)")
+    input_ids = torch.cat([prompt_ids, completion_ids.to(prompt_ids.device)], dim=1).long()
+    return input_ids.masked_fill(attention_mask == 0, 0), attention_mask
 
 
 def completion_logits(model, prompt_ids: torch.Tensor, completion_ids: torch.Tensor,
@@ -72,33 +136,41 @@ def completion_logits(model, prompt_ids: torch.Tensor, completion_ids: torch.Ten
 
     The input is ``[prompt | completion]``. The logit at column ``P - 1 + t`` predicts
     completion token ``t``, so we keep the ``T`` columns starting at the prompt's last one.
+    (A completion with holes, masked tokens inside it, is read from the last *real* column
+    before each token instead: a hole is not there.)
     """
-    _check_batch(prompt_ids, completion_ids, completion_mask, prompt_mask)
-    if prompt_mask is None:
-        prompt_mask = torch.ones_like(prompt_ids)
-    if completion_mask is None:
-        completion_mask = torch.ones_like(completion_ids)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
+    input_ids, attention_mask = _model_inputs(model, prompt_ids, completion_ids, prompt_mask, completion_mask)
     n_new = completion_ids.shape[1]
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False,
                 logits_to_keep=n_new + 1)
-    # The last column predicts a token after the completion: not needed.
-    return out.logits[:, :-1]
+    logits = out.logits  # columns P-1 .. P+T-1; the last predicts a token after the completion
+    # Column of the last real token at or before each column of the kept window (the prompt's last
+    # column is real, so there always is one): the predictor of the token that follows it.
+    window = attention_mask[:, -(n_new + 1):-1]
+    steps = torch.arange(n_new, device=window.device).expand_as(window)
+    predictor = torch.where(window.bool(), steps, torch.zeros_like(steps)).cummax(-1).values
+    return logits.gather(1, predictor[..., None].expand(-1, -1, logits.shape[-1]))
 
 
 def sequence_logprobs(model, prompt_ids: torch.Tensor, completion_ids: torch.Tensor,
                       completion_mask: torch.Tensor, prompt_mask: torch.Tensor | None = None,
                       temperature: float = 1.0) -> torch.Tensor:
-    """Per-token ``log pi(y_t | x, y_<t)`` of the completion, shape (B, T), 0 where masked.
+    """Per-token ``log pi(y_t | x, y_<t)`` of the completion, shape (B, T), exactly 0 where masked.
 
     Differentiable (call it under ``torch.no_grad()`` for the old or reference policy). Sum over
-    the last axis for the sequence log-prob ``log pi(y | x)``.
+    the last axis for the sequence log-prob ``log pi(y | x)``; an empty completion (T = 0) gives a
+    (B, 0) tensor, whose sum is 0 = log 1. Prompts must be left-padded (see the module docstring).
     """
+    temperature = _check_temperature(temperature)
+    if completion_mask is None:
+        raise ValueError("completion_mask is required: 1 on the completion's real tokens (up to and "
+                         "including EOS), 0 on padding")
     logits = completion_logits(model, prompt_ids, completion_ids, prompt_mask, completion_mask)
-    logp = token_logprobs_from_logits(logits, completion_ids, temperature)
-    return logp * completion_mask.to(logp.dtype)
+    real = completion_mask.bool()
+    logp = token_logprobs_from_logits(logits, completion_ids.masked_fill(~real, 0), temperature)
+    # where, not a product: a pad's log-prob (even -inf or NaN) must give exactly 0, not NaN
+    return torch.where(real, logp, torch.zeros_like(logp))
 
 
 def next_token_logprobs(model, prompt_ids: torch.Tensor, completion_ids: torch.Tensor,
@@ -109,7 +181,6 @@ def next_token_logprobs(model, prompt_ids: torch.Tensor, completion_ids: torch.T
     Row ``[b, t]`` is ``log softmax(logits / T)`` over the vocabulary given the prompt and the
     first ``t`` completion tokens: what exact KL and entropy need.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    temperature = _check_temperature(temperature)
     logits = completion_logits(model, prompt_ids, completion_ids, prompt_mask)
     return F.log_softmax(logits.float() / temperature, dim=-1)

@@ -11,13 +11,23 @@ The policy-gradient theorem (lesson 02) says
 
     grad J(theta) = E_tau[ sum_t Psi_t * grad log pi_theta(a_t | s_t) ]
 
-for several choices of the weight ``Psi_t`` (syllabus 001, section 3). The ``psi_*`` helpers build
-them from rewards; :func:`reinforce_loss` turns any of them into a loss.
+for several choices of the weight ``Psi_t`` (Schulman et al., 2016, "High-Dimensional Continuous
+Control Using Generalized Advantage Estimation", arXiv 1506.02438, section 2). The ``psi_*``
+helpers build them from rewards; :func:`reinforce_loss` turns any of them into a loss.
+
+Masks mean "not there": a masked entry may hold anything (nan, inf, garbage) and still neither
+changes a loss nor reaches a gradient, because every loss replaces masked entries by 0 with
+``torch.where`` *before* any arithmetic (multiplying by the mask afterwards would turn a nan into
+nan and an inf into nan). Log-ratios are clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` (see
+:mod:`rlcourse.kl`) before they are exponentiated, so no loss overflows.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
+from rlcourse.kl import LOG_RATIO_BOUND, as_mask, entropy, kl_k3
 from rlcourse.returns import discount_weights, episode_returns, reward_to_go
 
 __all__ = [
@@ -38,14 +48,30 @@ __all__ = [
 ]
 
 
-def _check_logprobs_mask(logprobs: torch.Tensor, mask):
-    if not isinstance(logprobs, torch.Tensor) or logprobs.ndim != 2:
-        raise ValueError(f"logprobs must be a torch tensor of shape (N, T), got "
+def _check_logprobs_mask(logprobs: torch.Tensor, mask) -> torch.Tensor:
+    """Validate ``(N, T)`` log-probs; return the mask as bool (all True when None)."""
+    if not isinstance(logprobs, torch.Tensor) or logprobs.ndim != 2 or not logprobs.is_floating_point():
+        raise ValueError(f"logprobs must be a torch tensor of shape (N, T) holding floats, got "
                          f"{getattr(logprobs, 'shape', type(logprobs).__name__)}")
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.shape != logprobs.shape:
-            raise ValueError(f"mask must be a tensor of the shape of logprobs {tuple(logprobs.shape)}, "
-                             f"got {getattr(mask, 'shape', type(mask).__name__)}")
+    if logprobs.shape[0] == 0 or logprobs.shape[1] == 0:
+        raise ValueError(f"logprobs must hold at least one sequence of at least one step, "
+                         f"got shape {tuple(logprobs.shape)}")
+    m = as_mask(mask, logprobs)
+    return torch.ones_like(logprobs, dtype=torch.bool) if m is None else m
+
+
+def _real(name: str, x: torch.Tensor, m: torch.Tensor | None, check=torch.isfinite) -> torch.Tensor:
+    """``x`` with masked entries replaced by 0; a nan (or, by default, inf) in a real entry is an error."""
+    bad = ~check(x) if m is None else ~check(x) & m
+    if bad.any():
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} hold nan or inf at {int(bad.sum())} real (unmasked) entries, the first at "
+                         f"{first}; masked entries may hold anything")
+    return x if m is None else torch.where(m, x, 0.0)
+
+
+def _not_nan(x):
+    return ~torch.isnan(x)
 
 
 def reinforce_loss(logprobs: torch.Tensor, psi, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,17 +94,17 @@ def reinforce_loss(logprobs: torch.Tensor, psi, mask: torch.Tensor | None = None
             (``R(tau)``, an outcome reward), ``(N, T)`` for per-step reward-to-go or advantages.
         mask: ``(N, T)`` of 0/1 or bool; ``None`` means every step is real.
     """
-    _check_logprobs_mask(logprobs, mask)
-    psi = torch.as_tensor(psi, dtype=logprobs.dtype, device=logprobs.device)
-    try:
-        psi = torch.broadcast_to(psi, logprobs.shape)
-    except RuntimeError:
-        raise ValueError(f"psi must be broadcastable to logprobs' shape {tuple(logprobs.shape)}, "
-                         f"got {tuple(psi.shape)}") from None
-    weighted = logprobs * psi.detach()
-    if mask is not None:
-        weighted = weighted * mask.to(logprobs.dtype)
-    return -weighted.sum() / logprobs.shape[0]
+    m = _check_logprobs_mask(logprobs, mask)
+    psi = torch.as_tensor(psi, dtype=logprobs.dtype, device=logprobs.device).detach()
+    N, T = logprobs.shape
+    if psi.ndim == 1 or psi.ndim > 2 or (psi.ndim == 2 and (psi.shape[0] not in (1, N) or psi.shape[1] not in (1, T))):
+        # A (N,) vector would broadcast along time, not along sequences: ambiguous when N == T.
+        raise ValueError(f"psi must be a number, (N, 1) = ({N}, 1) for one weight per sequence, or "
+                         f"(N, T) = ({N}, {T}) for one per step; got {tuple(psi.shape)}"
+                         + (" (use psi[:, None] for one weight per sequence)" if psi.ndim == 1 else ""))
+    psi = _real("psi", torch.broadcast_to(psi, logprobs.shape), m)
+    weighted = _real("logprobs", logprobs, m, check=_not_nan) * psi
+    return -weighted.sum() / N
 
 
 # ---------------------------------------------------------------------------------- the weights Psi_t
@@ -144,16 +170,15 @@ def trajectory_importance_weight(logprobs: torch.Tensor, old_logprobs: torch.Ten
     so only the policies' log-probabilities are needed. Computed as
     ``exp(sum_t mask * (logprobs - old_logprobs))``: a sum of logs, not a product of ratios,
     which would underflow or overflow on long sequences. With ``rho`` an expectation under the
-    new policy can be estimated from episodes of the old one (syllabus 001, eq. 27-29); the
-    product over T steps is why its variance explodes with the horizon.
+    new policy can be estimated from episodes of the old one (importance sampling); the
+    product over T steps is why its variance explodes with the horizon. It is a weight, not a
+    loss: it is not clamped, and a sum of log-ratios past ~709 (float64) honestly overflows to inf.
     """
-    _check_logprobs_mask(logprobs, mask)
+    m = _check_logprobs_mask(logprobs, mask)
     if not isinstance(old_logprobs, torch.Tensor) or old_logprobs.shape != logprobs.shape:
         raise ValueError(f"old_logprobs must be a tensor of the shape of logprobs {tuple(logprobs.shape)}, "
                          f"got {getattr(old_logprobs, 'shape', type(old_logprobs).__name__)}")
-    diff = logprobs - old_logprobs
-    if mask is not None:
-        diff = diff * mask.to(diff.dtype)
+    diff = _real("logprobs", logprobs, m) - _real("old_logprobs", old_logprobs, m)
     return torch.exp(diff.sum(dim=1))
 
 
@@ -165,16 +190,20 @@ def trajectory_importance_weight(logprobs: torch.Tensor, old_logprobs: torch.Ten
 # ``mask`` is None). Sequence-level aggregations (GRPO, Dr. GRPO...) can reuse the per-entry
 # :func:`ppo_clip_objective` and average it their own way.
 def masked_mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``sum(mask * x) / sum(mask)``, or ``x.mean()`` when ``mask`` is None."""
-    if mask is None:
+    """``sum(mask * x) / sum(mask)`` over the real entries, or ``x.mean()`` when ``mask`` is None.
+
+    Masked entries are dropped with ``torch.where``, so a nan or inf there changes neither the
+    mean nor its gradient (``x * mask`` would give nan: ``inf * 0 = nan``).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch tensor, got {type(x).__name__}")
+    m = as_mask(mask, x)
+    count = x.numel() if m is None else int(m.sum())
+    if count == 0:
+        raise ValueError("nothing to average: the values are empty or the mask selects no entries")
+    if m is None:
         return x.mean()
-    if mask.shape != x.shape:
-        raise ValueError(f"mask must have the shape of the values {tuple(x.shape)}, got {tuple(mask.shape)}")
-    m = mask.to(x.dtype)
-    count = m.sum()
-    if float(count) == 0:
-        raise ValueError("mask selects no entries: the mean of an empty set is undefined")
-    return (x * m).sum() / count
+    return torch.where(m, x, 0.0).sum() / count
 
 
 def _same_shape(**tensors):
@@ -189,9 +218,12 @@ def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torc
     Taken as the exponential of a *difference of log-probabilities*: dividing probabilities
     underflows for long sequences and unlikely tokens (0/0), and the difference is exactly 0 when
     nothing has changed yet, so the ratio starts at exactly 1. ``old_logprobs`` is detached.
+    The log-ratio is clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` first (ratios within
+    ``[2e-9, 4.9e8]``): past ``exp(88.7)`` float32 overflows to inf and the gradient to nan.
     """
     _same_shape(logprobs=logprobs, old_logprobs=old_logprobs)
-    return torch.exp(logprobs - old_logprobs.detach())
+    log_ratio = logprobs - old_logprobs.detach()
+    return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 def ppo_clip_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_coef: float = 0.2,
@@ -225,11 +257,16 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
     ``loss = - sum_t mask_t min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) / sum_t mask_t``
 
     Any shape works (``(B,)`` transitions for CartPole, ``(N, T)`` tokens for a language model);
-    the mean is over all valid entries together (token mean).
+    the mean is over all valid entries together (token mean). A clipped entry contributes exactly
+    zero gradient; masked entries contribute nothing whatever they hold.
     """
     _same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    m = as_mask(mask, logprobs)
+    logprobs = _real("logprobs", logprobs, m, check=_not_nan)
+    old_logprobs = _real("old_logprobs", old_logprobs, m)
+    advantages = _real("advantages", advantages, m)
     ratio = importance_ratio(logprobs, old_logprobs)
-    return -masked_mean(ppo_clip_objective(ratio, advantages, clip_coef, clip_coef_high), mask)
+    return -masked_mean(ppo_clip_objective(ratio, advantages, clip_coef, clip_coef_high), m)
 
 
 @torch.no_grad()
@@ -244,16 +281,18 @@ def ppo_diagnostics(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     * ``clipped_fraction_active`` (when ``advantages`` is given): the share where the clipped
       branch is selected *and* its gradient is zero, i.e. the entries that no longer learn.
     """
-    log_ratio = (logprobs - old_logprobs).detach()
-    ratio = log_ratio.exp()
+    m = as_mask(mask, logprobs)
+    logprobs, old_logprobs = _real("logprobs", logprobs, m), _real("old_logprobs", old_logprobs, m)
+    ratio = importance_ratio(logprobs, old_logprobs)
     high = clip_coef if clip_coef_high is None else clip_coef_high
     outside = ((ratio < 1.0 - clip_coef) | (ratio > 1.0 + high)).to(ratio.dtype)
-    out = {"approx_kl": float(masked_mean((ratio - 1.0) - log_ratio, mask)),
-           "clip_fraction": float(masked_mean(outside, mask))}
+    # (r - 1) - log r with r = pi_theta / pi_old, sampled from pi_old: k3 of KL(pi_old || pi_theta).
+    out = {"approx_kl": float(masked_mean(kl_k3(old_logprobs, logprobs), m)),
+           "clip_fraction": float(masked_mean(outside, m))}
     if advantages is not None:
-        a = advantages.detach()
+        a = _real("advantages", advantages.detach(), m)
         frozen = (((ratio > 1.0 + high) & (a > 0)) | ((ratio < 1.0 - clip_coef) & (a < 0))).to(ratio.dtype)
-        out["clipped_fraction_active"] = float(masked_mean(frozen, mask))
+        out["clipped_fraction_active"] = float(masked_mean(frozen, m))
     return out
 
 
@@ -273,18 +312,20 @@ def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Te
     much). ``returns`` (the targets, e.g. ``A + V_old``) are detached.
     """
     _same_shape(values=values, returns=returns)
-    returns = returns.detach()
+    m = as_mask(mask, values)
+    values = _real("values", values, m, check=_not_nan)
+    returns = _real("returns", returns.detach(), m)
     unclipped = (values - returns) ** 2
     if clip_coef is None:
-        return 0.5 * masked_mean(unclipped, mask)
+        return 0.5 * masked_mean(unclipped, m)
     if old_values is None:
         raise ValueError("old_values is required when clip_coef is given (the clip is around them)")
     if clip_coef < 0:
         raise ValueError(f"clip_coef must be >= 0, got {clip_coef!r}")
     _same_shape(values=values, old_values=old_values)
-    old_values = old_values.detach()
+    old_values = _real("old_values", old_values.detach(), m)
     clipped = old_values + torch.clamp(values - old_values, -clip_coef, clip_coef)
-    return 0.5 * masked_mean(torch.maximum(unclipped, (clipped - returns) ** 2), mask)
+    return 0.5 * masked_mean(torch.maximum(unclipped, (clipped - returns) ** 2), m)
 
 
 def entropy_bonus(logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -292,10 +333,17 @@ def entropy_bonus(logits: torch.Tensor, mask: torch.Tensor | None = None) -> tor
 
     ``H(pi(.|s)) = - sum_a pi(a|s) log pi(a|s)``, averaged over the valid entries. Trainers
     *subtract* ``ent_coef * H`` from the loss: a bonus for staying random a little longer, so the
-    policy does not collapse onto its first lucky action.
+    policy does not collapse onto its first lucky action. Logits of ``-inf`` (actions that are not
+    allowed) count 0, as ``0 log 0 = 0`` (:func:`rlcourse.kl.entropy`); masked positions may hold
+    anything.
     """
-    logp = torch.log_softmax(logits, dim=-1)
-    return masked_mean(-(logp.exp() * logp).sum(-1), mask)
+    if not isinstance(logits, torch.Tensor) or logits.ndim == 0:
+        raise ValueError(f"logits must be a torch tensor with an action dimension last, got "
+                         f"{getattr(logits, 'shape', type(logits).__name__)}")
+    m = as_mask(mask, logits[..., 0])
+    if m is not None:
+        logits = torch.where(m[..., None], logits, 0.0)
+    return masked_mean(entropy(torch.log_softmax(logits, dim=-1), mask=m), m)
 
 
 def ppo_penalty_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -308,10 +356,13 @@ def ppo_penalty_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
     ``pi_theta``, with grad; ``beta`` is adapted between updates by :func:`adaptive_kl_beta`.
     """
     _same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, kl=kl)
-    if beta < 0:
+    if not beta >= 0:
         raise ValueError(f"beta must be >= 0, got {beta!r}")
-    surrogate = importance_ratio(logprobs, old_logprobs) * advantages.detach()
-    return -masked_mean(surrogate, mask) + beta * masked_mean(kl, mask)
+    m = as_mask(mask, logprobs)
+    logprobs = _real("logprobs", logprobs, m, check=_not_nan)
+    old_logprobs, advantages = _real("old_logprobs", old_logprobs, m), _real("advantages", advantages.detach(), m)
+    surrogate = importance_ratio(logprobs, old_logprobs) * advantages
+    return -masked_mean(surrogate, m) + beta * masked_mean(_real("kl", kl, m), m)
 
 
 def adaptive_kl_beta(beta: float, kl: float, kl_target: float, factor: float = 2.0,
@@ -328,6 +379,8 @@ def adaptive_kl_beta(beta: float, kl: float, kl_target: float, factor: float = 2
         raise ValueError(f"expected beta > 0, kl_target > 0, factor > 1, tolerance >= 1; got "
                          f"beta={beta!r}, kl_target={kl_target!r}, factor={factor!r}, tolerance={tolerance!r}")
     kl = float(kl)
+    if not math.isfinite(kl):
+        raise ValueError(f"kl must be a finite number, got {kl!r}: a nan KL means the update itself went wrong")
     if kl < kl_target / tolerance:
         return beta / factor
     if kl > kl_target * tolerance:

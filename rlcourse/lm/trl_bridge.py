@@ -1,0 +1,109 @@
+"""From rlcourse to TRL: the same task, checkpoint and settings on Hugging Face TRL's trainers.
+
+Lesson 13 graduates from our single-process trainers to an engine that scales. The pieces:
+
+* :func:`task_dataset` - a ``datasets.Dataset`` of prompts (TRL's "prompt-only" format) from a task;
+* :func:`task_reward_func` - the task's verifier as a TRL reward function
+  ``f(prompts, completions, **columns) -> list[float]``;
+* :func:`export_checkpoint` - a shipped checkpoint written to a folder TRL can load offline;
+* :data:`GRPO_NAME_MAP` - our setting names next to TRL's, verl's and OpenRLHF's;
+* :func:`distributed_report` - who am I, how many of us are there, and do we hold the same weights?
+
+The last one exists because a multi-process launch can fail silently: on a CPU machine
+``accelerate launch --cpu --num_processes 2`` starts a single process, and an FSDP config without
+GPUs can start two processes that never talk (two independent trainings). Counting processes
+(the world size) catches the first; comparing a checksum of the weights across processes after
+training catches the second: data-parallel replicas must end identical.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from rlcourse.lm.checkpoints import checkpoint_path
+
+__all__ = ["GRPO_NAME_MAP", "task_dataset", "task_reward_func", "export_checkpoint",
+           "parameter_checksum", "distributed_report"]
+
+# Our name (rlcourse trainers use TRL's names) -> TRL GRPOConfig, verl, OpenRLHF. Where a system
+# has no single switch for the setting, the entry says what to do instead. verl names are the
+# keys of its ppo_trainer.yaml (actor_rollout_ref.*, algorithm.*), OpenRLHF's its CLI flags.
+GRPO_NAME_MAP = {
+    "num_generations": ("num_generations", "actor_rollout_ref.rollout.n", "--n_samples_per_prompt"),
+    "learning_rate": ("learning_rate", "actor_rollout_ref.actor.optim.lr", "--actor_learning_rate"),
+    "beta": ("beta", "actor_rollout_ref.actor.kl_loss_coef (use_kl_loss=True)", "--init_kl_coef (--use_kl_loss)"),
+    "epsilon": ("epsilon", "actor_rollout_ref.actor.clip_ratio_low", "--eps_clip"),
+    "epsilon_high": ("epsilon_high", "actor_rollout_ref.actor.clip_ratio_high", "--eps_clip_low_high"),
+    "loss_type": ("loss_type", "actor_rollout_ref.actor.loss_agg_mode", "(token-mean by default)"),
+    "scale_rewards": ("scale_rewards", "algorithm.norm_adv_by_std_in_grpo", "--advantage_estimator group_norm"),
+    "num_iterations": ("num_iterations", "actor_rollout_ref.actor.ppo_epochs", "--max_epochs"),
+    "temperature": ("temperature", "actor_rollout_ref.rollout.temperature", "--temperature"),
+    "max_completion_length": ("max_completion_length", "data.max_response_length", "--generate_max_len"),
+    "per_device_train_batch_size": ("per_device_train_batch_size",
+                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                                    "--micro_train_batch_size"),
+    "kl_estimator": ("(k3 in the loss)", "actor_rollout_ref.actor.kl_loss_type (low_var_kl = k3)",
+                     "--kl_estimator"),
+}
+
+
+def task_dataset(task, n: int, seed: int = 0):
+    """``n`` training prompts of ``task`` as a ``datasets.Dataset`` with one column, ``"prompt"``."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": task.prompts(n, rng=seed)})
+
+
+def task_reward_func(task):
+    """The task's verifier as a TRL reward function (its ``__name__`` is what TRL logs it under)."""
+    def reward(prompts, completions, **_columns):
+        return [float(x) for x in task.reward(list(prompts), list(completions))]
+
+    reward.__name__ = f"{type(task).__name__}_reward"
+    return reward
+
+
+def export_checkpoint(name: str, folder) -> Path:
+    """Copy a shipped checkpoint's model and tokenizer to ``folder`` (TRL loads models from a path).
+
+    TRL pads prompts on the left and stops at ``eos_token``; our tokenizer already does both.
+    """
+    from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    from rlcourse.lm.checkpoints import save_checkpoint
+
+    source = checkpoint_path(name)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
+    model = GPT2LMHeadModel.from_pretrained(source)
+    return save_checkpoint(model, tokenizer, folder)
+
+
+def parameter_checksum(model) -> str:
+    """A short hash of every parameter's bytes: equal across processes iff the weights are equal."""
+    digest = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        digest.update(name.encode())
+        digest.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def distributed_report(model) -> dict:
+    """``world_size``, ``rank`` and every process's weight checksum (gathered when distributed).
+
+    ``replicas_identical`` is True when all processes hold the same weights: what data-parallel
+    training (DDP, or FSDP/ZeRO after gathering) guarantees, and what two independent runs that
+    only *think* they are distributed do not.
+    """
+    import torch.distributed as dist
+
+    mine = parameter_checksum(model)
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+    else:
+        world, rank, everyone = 1, 0, [mine]
+    return {"world_size": world, "rank": rank, "checksums": everyone,
+            "replicas_identical": len(set(everyone)) == 1}
