@@ -22,3 +22,9 @@ __all__ = [
     "exact_match", "load_checkpoint", "make_model", "next_token_logprobs", "position_ids_from_mask",
     "sample", "save_checkpoint", "sequence_logprobs", "token_logprobs_from_logits", "train_sft",
 ]
+
+# Lessons 09-10: the critic-free policy-gradient trainer and the enumerable policy (exact oracle).
+from rlcourse.lm.exact_oracle import EnumerablePolicy  # noqa: E402
+from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer  # noqa: E402
+
+__all__ += ["EnumerablePolicy", "PolicyGradientConfig", "PolicyGradientTrainer"]

@@ -1,4 +1,308 @@
-"""grpo losses (filled in by its lesson)."""
+"""The critic-free policy-gradient family for language models: REINFORCE, RLOO, GRPO and its variants.
+
+Shapes: ``B`` completions (``B = num_prompts * num_generations``, the ``K = num_generations``
+completions of one prompt next to each other, as TRL lays them out), ``T`` completion tokens.
+``rewards`` is ``(B,)``, one scalar per completion (the bandit view: the whole completion is one
+action). ``logprobs``, ``old_logprobs``, ``ref_logprobs`` and ``mask`` are ``(B, T)``.
+
+Three steps make every algorithm of the family:
+
+1. an **advantage** per completion from the rewards (:func:`group_advantages`,
+   :func:`leave_one_out_advantages`, :func:`batch_mean_advantages`, :func:`moving_average_baseline`);
+2. a **per-token loss** from the importance ratio and the advantage (:func:`per_token_loss`),
+   with the ratio taken per token or per sequence (:func:`importance_weights`, GSPO);
+3. an **aggregation** of the per-token losses into one scalar (:func:`aggregate_loss`): this is
+   where GRPO, BNPO, Dr. GRPO and DAPO differ, and where length bias comes from.
+
+The names of settings are TRL's (``num_generations``, ``epsilon``, ``epsilon_high``, ``beta``,
+``loss_type``, ``importance_sampling_level``, ``scale_rewards``); ``tests/test_trl_parity_grpo.py``
+runs TRL 1.16's GRPOTrainer and RLOOTrainer on the same inputs and checks every number here.
+"""
 from __future__ import annotations
 
-__all__: list[str] = []
+import torch
+
+from rlcourse.kl import kl_k3
+from rlcourse.losses.policy_gradient import (importance_ratio, ppo_clip_objective,
+                                             trajectory_importance_weight)
+
+__all__ = [
+    "LOSS_TYPES",
+    "group_advantages",
+    "leave_one_out_advantages",
+    "batch_mean_advantages",
+    "moving_average_baseline",
+    "importance_weights",
+    "per_token_loss",
+    "aggregate_loss",
+    "rloo_loss",
+    "clip_fractions",
+]
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+
+
+def _rewards_1d(rewards) -> torch.Tensor:
+    rewards = torch.as_tensor(rewards)
+    if rewards.ndim != 1 or rewards.numel() == 0:
+        raise ValueError(f"rewards must be a non-empty 1-D tensor (one reward per completion), "
+                         f"got shape {tuple(rewards.shape)}")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    if bool(torch.isnan(rewards).any()):
+        raise ValueError("rewards contain NaN: score every completion (give unscorable ones a reward) first")
+    return rewards.detach()
+
+
+def _groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    if not isinstance(num_generations, int) or num_generations < 1:
+        raise ValueError(f"num_generations must be a positive integer, got {num_generations!r}")
+    if rewards.numel() % num_generations:
+        raise ValueError(f"rewards has {rewards.numel()} entries, not a multiple of "
+                         f"num_generations={num_generations}")
+    return rewards.view(-1, num_generations)
+
+
+def group_advantages(rewards, num_generations: int, scale_rewards: str = "group",
+                     std_floor: float = 1e-4) -> torch.Tensor:
+    """GRPO's group-normalised advantage (Shao et al., 2024, arXiv 2402.03300), shape ``(B,)``.
+
+    ``A_i = (r_i - mean_g(r)) / (std + std_floor)``
+
+    with ``mean_g`` the mean of the ``K = num_generations`` rewards of completion ``i``'s group,
+    and ``std`` (with Bessel's correction, as TRL computes it) taken over the group
+    (``scale_rewards="group"``), over the whole batch (``"batch"``: the group mean is kept, one
+    scale is shared by all prompts) or not at all (``"none"``: Dr. GRPO,
+    arXiv 2503.20783, which only centres).
+
+    ``std_floor`` is added to the denominator (TRL adds ``1e-4``). Without it a group whose
+    rewards differ only by float leftovers (``0.3`` sixteen times, one of them a rounding step
+    higher) has a std of ~1e-8 and its advantages blow up to order 1. A group whose
+    rewards are *exactly* equal gets exactly 0 here, whatever the dtype: where TRL's mean leaves a
+    rounding residue (``(r - mean) / 1e-4`` of order 1e-4), ours does not. With rewards like 0/1
+    the two agree bit for bit.
+    """
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+    if std_floor < 0:
+        raise ValueError(f"std_floor must be >= 0, got {std_floor!r}")
+    rewards = _rewards_1d(rewards)
+    grouped = _groups(rewards, num_generations)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+    centred = torch.where(all_equal, torch.zeros_like(centred), centred)
+    if scale_rewards == "group":
+        std = grouped.std(dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(centred)
+    elif scale_rewards == "batch":
+        std = rewards.std() if rewards.numel() > 1 else torch.zeros(())
+    else:
+        return centred.reshape(-1)
+    return (centred / (std + std_floor)).reshape(-1)
+
+
+def leave_one_out_advantages(rewards, num_generations: int) -> torch.Tensor:
+    """RLOO's advantage (Kool et al., 2019; Ahmadian et al., 2024, arXiv 2402.14740), shape ``(B,)``.
+
+    ``A_i = r_i - 1/(K-1) sum_{j != i} r_j = K/(K-1) (r_i - mean_g(r))``
+
+    The baseline of completion ``i`` is the mean of its ``K - 1`` siblings: it does not depend on
+    ``r_i``, so the estimator stays unbiased. ``K = 1`` has no siblings and is rejected.
+    """
+    rewards = _rewards_1d(rewards)
+    if num_generations < 2:
+        raise ValueError(f"num_generations must be >= 2 for a leave-one-out baseline, got {num_generations!r}")
+    grouped = _groups(rewards, num_generations)
+    siblings = (grouped.sum(dim=1, keepdim=True) - grouped) / (num_generations - 1)
+    advantages = grouped - siblings
+    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(all_equal, torch.zeros_like(advantages), advantages).reshape(-1)
+
+
+def batch_mean_advantages(rewards) -> torch.Tensor:
+    """``A_i = r_i - mean(r)``, the batch mean as a baseline (it includes ``r_i`` itself).
+
+    Because the sample is inside its own baseline, ``E[A_i grad log pi(y_i)] = (1 - 1/B) grad J``:
+    the gradient shrinks by ``(B-1)/B``, a bias that vanishes only as ``B`` grows (lesson 09
+    measures it against the exact gradient).
+    """
+    rewards = _rewards_1d(rewards)
+    return rewards - rewards.mean()
+
+
+def moving_average_baseline(baseline: float | None, rewards, decay: float = 0.9) -> float:
+    """REINFORCE's running baseline: ``b <- decay * b + (1 - decay) * mean(r)`` (``mean(r)`` at the start).
+
+    Use the baseline from *before* a batch for that batch's advantages ``A_i = r_i - b``: it then
+    does not depend on the batch's own rewards and the estimator stays unbiased. Returns a float.
+    """
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+    mean = float(_rewards_1d(rewards).mean())
+    return mean if baseline is None else decay * float(baseline) + (1.0 - decay) * mean
+
+
+def _check_tokens(logprobs, old_logprobs, mask):
+    if not isinstance(logprobs, torch.Tensor) or logprobs.ndim != 2:
+        raise ValueError(f"logprobs must be a (B, T) tensor, got {getattr(logprobs, 'shape', type(logprobs))}")
+    for name, t in (("old_logprobs", old_logprobs), ("mask", mask)):
+        if not isinstance(t, torch.Tensor) or t.shape != logprobs.shape:
+            raise ValueError(f"{name} must be a tensor of logprobs' shape {tuple(logprobs.shape)}, "
+                             f"got {getattr(t, 'shape', type(t).__name__)}")
+
+
+def importance_weights(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                       level: str = "token") -> torch.Tensor:
+    """The importance ratio of the new policy to the one that sampled, per token or per sequence.
+
+    * ``"token"`` (PPO, GRPO): ``r_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)``, shape ``(B, T)``;
+    * ``"sequence"`` (GSPO, Zheng et al., 2025, arXiv 2507.18071): the length-normalised sequence
+      ratio ``s = (pi(y|x) / pi_old(y|x))^(1/|y|) = exp(mean_t log r_t)``, shape ``(B, 1)``: one
+      ratio per completion, so one clip decision per completion, and no single token's noisy ratio
+      decides alone.
+
+    Masked tokens do not count in the sequence mean; an empty row gets ``s = 1``.
+    """
+    _check_tokens(logprobs, old_logprobs, mask)
+    if level == "token":
+        return importance_ratio(logprobs, old_logprobs)
+    if level != "sequence":
+        raise ValueError(f"level (importance_sampling_level) must be 'token' or 'sequence', got {level!r}")
+    m = mask.to(logprobs.dtype)
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
+    return torch.exp(log_ratio.sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0))
+
+
+def per_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                   mask: torch.Tensor, loss_type: str = "dapo", epsilon: float = 0.2,
+                   epsilon_high: float | None = None, importance_sampling_level: str = "token",
+                   beta: float = 0.0, ref_logprobs: torch.Tensor | None = None,
+                   sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+                   use_bias_correction_kl: bool = True) -> torch.Tensor:
+    """The loss of every token before aggregation, ``(B, T)`` (or ``(B, 1)`` at sequence level with
+    ``beta = 0``); 0 on masked tokens. ``advantages`` is ``(B,)``, one per completion. ``w`` is
+    the ratio of :func:`importance_weights` and ``A`` the advantage (detached):
+
+    * ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``: PPO's clipped surrogate
+      ``-min(w A, clip(w, 1 - epsilon, 1 + epsilon_high) A)`` (:func:`ppo_clip_objective`);
+      ``epsilon_high > epsilon`` is DAPO's clip-higher (Yu et al., 2025, arXiv 2503.14476);
+    * ``cispo`` (MiniMax-M1, arXiv 2506.13585): ``-stopgrad(min(w, epsilon_high)) A log pi``:
+      the ratio is clipped *and detached*, so every token keeps a REINFORCE gradient, only
+      reweighted; as in TRL, ``epsilon_high`` is here the absolute cap on ``w`` (e.g. 5.0);
+    * ``sapo`` (Soft Adaptive Policy Optimization, arXiv 2511.20347): a smooth
+      gate instead of a hard clip, ``-(4 / tau) sigmoid(tau (w - 1)) A``, with
+      ``tau = sapo_temperature_pos`` where ``A > 0`` and ``sapo_temperature_neg`` elsewhere; its
+      gradient ``sigma'(tau(w-1)) * 4 * w * grad log pi`` equals the plain one at ``w = 1`` and fades
+      smoothly as ``w`` leaves 1.
+
+    With ``beta > 0`` the k3 estimate of ``KL(pi || pi_ref)`` at each token is added:
+    ``+ beta * ((ref/pi - 1) - log(ref/pi))`` (GRPO puts the KL in the loss, not in the reward).
+    With ``use_bias_correction_kl`` (TRL 1.16's default, from DeepSeek-V3.2, arXiv 2512.02556) that
+    term is multiplied by the ratio ``w``: its value is unchanged on-policy (``w = 1``) but its
+    gradient gains ``k3 * grad log pi``, the score-function term that the plain k3 lacks. Without it,
+    ``E[grad k3] = -sum_y pi_ref(y) grad log pi(y)``, the gradient of ``KL(pi_ref || pi)``, not of
+    ``KL(pi || pi_ref)``: lesson 10 measures this on the exact oracle.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if epsilon < 0 or (epsilon_high is not None and epsilon_high < 0):
+        raise ValueError(f"epsilon and epsilon_high must be >= 0, got {epsilon!r}, {epsilon_high!r}")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta!r}")
+    high = epsilon if epsilon_high is None else epsilon_high
+    ratio = importance_weights(logprobs, old_logprobs, mask, importance_sampling_level)
+    advantages = torch.as_tensor(advantages, dtype=logprobs.dtype, device=logprobs.device).detach()
+    if advantages.ndim != 1 or advantages.shape[0] != logprobs.shape[0]:
+        raise ValueError(f"advantages must have shape (B,) = ({logprobs.shape[0]},), got {tuple(advantages.shape)}")
+    adv = advantages[:, None].expand_as(ratio)
+    if loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=high).detach() * adv * logprobs
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, torch.full_like(adv, sapo_temperature_pos),
+                          torch.full_like(adv, sapo_temperature_neg))
+        loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+    else:
+        loss = -ppo_clip_objective(ratio, adv, epsilon, high)
+    if beta != 0.0:
+        if ref_logprobs is None or ref_logprobs.shape != logprobs.shape:
+            raise ValueError("beta > 0 needs ref_logprobs of logprobs' shape")
+        kl = kl_k3(logprobs, ref_logprobs.detach())
+        loss = loss + beta * (kl * ratio if use_bias_correction_kl else kl)
+    if loss.shape[1] == logprobs.shape[1]:
+        loss = torch.where(mask.bool(), loss, torch.zeros_like(loss))
+    return loss
+
+
+def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str = "dapo",
+                   max_completion_length: int | None = None) -> torch.Tensor:
+    """One scalar from the per-token losses: the normalisation that defines each variant.
+
+    With ``m`` the mask, ``|y_i| = sum_t m_it`` and ``l_it`` the per-token loss:
+
+    * ``grpo``, ``sapo`` (sequence mean): ``1/B sum_i (1/|y_i|) sum_t m_it l_it``. Each
+      completion weighs the same, so a token of a long completion weighs less: a long *wrong*
+      answer is penalised less per token, which lets wrong answers grow (Dr. GRPO's length bias);
+    * ``bnpo``, ``dapo``, ``cispo`` (token mean): ``sum_it m_it l_it / sum_it m_it``: every token
+      weighs the same (DAPO's token-level loss). TRL's ``dapo`` divides by the tokens of the whole
+      generation batch and ``bnpo`` by those of the local batch: identical without gradient
+      accumulation, as here;
+    * ``dr_grpo`` (constant): ``sum_it m_it l_it / (B * max_completion_length)``: no length
+      normalisation at all, so the gradient of every token is independent of the lengths.
+
+    A ``(B, 1)`` input (sequence-level ratio, no KL) is one loss per completion, broadcast over its
+    tokens. Rows with no real token contribute 0 (as in TRL, which clamps lengths at 1).
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if mask.ndim != 2 or per_token.ndim != 2 or per_token.shape[0] != mask.shape[0] \
+            or per_token.shape[1] not in (1, mask.shape[1]):
+        raise ValueError(f"per_token must be (B, T) or (B, 1) with mask (B, T); got {tuple(per_token.shape)} "
+                         f"and {tuple(mask.shape)}")
+    m = mask.to(per_token.dtype)
+    masked = torch.where(mask.bool(), per_token.expand_as(m), torch.zeros_like(m))
+    if loss_type in ("grpo", "sapo"):
+        return (masked.sum(dim=1) / m.sum(dim=1).clamp(min=1.0)).mean()
+    if loss_type == "dr_grpo":
+        if max_completion_length is None or max_completion_length < 1:
+            raise ValueError(f"dr_grpo needs max_completion_length >= 1, got {max_completion_length!r}")
+        return masked.sum() / (mask.shape[0] * max_completion_length)
+    return masked.sum() / m.sum().clamp(min=1.0)
+
+
+def rloo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, epsilon: float = 0.2, epsilon_high: float | None = None) -> torch.Tensor:
+    """RLOO's loss as TRL's RLOOTrainer computes it: PPO's clip on the *whole-sequence* ratio.
+
+    ``L = -1/B sum_i min(rho_i A_i, clip(rho_i, 1 - epsilon, 1 + epsilon_high) A_i)``, with
+    ``rho_i = pi(y_i|x) / pi_old(y_i|x) = exp(sum_t m_it (log pi - log pi_old))``
+    (:func:`trajectory_importance_weight`, not length-normalised, unlike GSPO). On the first
+    iteration ``rho = 1`` and this is REINFORCE with the leave-one-out baseline; its gradient is
+    ``-1/B sum_i A_i grad log pi(y_i|x)``.
+    """
+    _check_tokens(logprobs, old_logprobs, mask)
+    high = epsilon if epsilon_high is None else epsilon_high
+    rho = trajectory_importance_weight(logprobs, old_logprobs.detach(), mask)
+    advantages = torch.as_tensor(advantages, dtype=logprobs.dtype, device=logprobs.device).detach()
+    if advantages.shape != rho.shape:
+        raise ValueError(f"advantages must have shape (B,) = {tuple(rho.shape)}, got {tuple(advantages.shape)}")
+    return -ppo_clip_objective(rho, advantages, epsilon, high).mean()
+
+
+@torch.no_grad()
+def clip_fractions(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon: float = 0.2,
+                   epsilon_high: float | None = None) -> dict:
+    """TRL's ``clip_ratio/low_mean`` and ``clip_ratio/high_mean``: the share of tokens (of completions,
+    for a ``(B, 1)`` sequence ratio) whose clipped branch is active, i.e. that no longer learn.
+
+    low: ``w < 1 - epsilon`` and ``A < 0``; high: ``w > 1 + epsilon_high`` and ``A > 0``.
+    """
+    high = epsilon if epsilon_high is None else epsilon_high
+    adv = advantages.detach()[:, None].expand_as(ratio)
+    low_hit = (ratio < 1.0 - epsilon) & (adv < 0)
+    high_hit = (ratio > 1.0 + high) & (adv > 0)
+    if ratio.shape[1] == 1:
+        weight = torch.ones_like(ratio)
+    else:
+        weight = mask.to(ratio.dtype)
+    total = weight.sum().clamp(min=1.0)
+    return {"clip_ratio/low_mean": float((low_hit * weight).sum() / total),
+            "clip_ratio/high_mean": float((high_hit * weight).sum() / total)}

@@ -1,0 +1,132 @@
+"""grpo-vs-trl: our PolicyGradientTrainer against TRL's GRPOTrainer, same job, same run.
+
+    python -m rlcourse.bench grpo-vs-trl [--size ci|laptop|demo] [--steps N] [--threads 2]
+
+Both start from the ``addition-partial`` checkpoint and train on the same training prompts with the
+same settings (``num_generations``, completions per step, learning rate at a constant schedule,
+``beta``, ``loss_type``, ``max_completion_length``, ``max_grad_norm`` 1.0, temperature 1). Each
+trainer runs in its own subprocess so that peak memory (max RSS on CPU, peak allocated on CUDA) is
+its own. Printed: completions per second of the training loop (generation, scoring and updates;
+model loading excluded), their ratio (goal: ours >= 3x TRL's), held-out greedy exact match after
+the same number of steps (goal: ours within 3 points of TRL's or better) and peak memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+SIZES = {"ci": dict(steps=20, batch=64), "laptop": dict(steps=60, batch=64), "demo": dict(steps=200, batch=256)}
+
+
+def _peak_memory_mb(device) -> float:
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _run_one(which: str, args) -> dict:
+    import rlcourse  # noqa: F401  (before torch)
+    import torch
+
+    from rlcourse.lm import AdditionTask, exact_match, load_checkpoint, save_checkpoint
+    from rlcourse.runtime import device as best_device
+    from rlcourse.runtime import seed_everything
+
+    torch.set_num_threads(args.threads)
+    seed_everything(args.seed)
+    dev = best_device()
+    task = AdditionTask()
+    test = task.test_prompts(500)
+    model, tokenizer = load_checkpoint("addition-partial", device=dev)
+    before = exact_match(model, tokenizer, task, test)
+    n_prompts = args.steps * args.batch // args.num_generations
+    if which == "ours":
+        from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+
+        config = PolicyGradientConfig(learning_rate=args.lr, per_device_train_batch_size=args.batch,
+                                      num_generations=args.num_generations, beta=args.beta,
+                                      loss_type=args.loss_type, max_steps=args.steps, seed=args.seed)
+        trainer = PolicyGradientTrainer(model, tokenizer, task, config)
+        start = time.perf_counter()
+        trainer.train(progress=False)
+        seconds = time.perf_counter() - start
+        trained = model
+    else:
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+
+        path = tempfile.mkdtemp(prefix="grpo-vs-trl-")
+        save_checkpoint(model, tokenizer, path)
+        prompts = task.prompts(n_prompts, rng=args.seed)
+
+        def exact_match_reward(prompts, completions, **kwargs):
+            return task.reward(prompts, completions).tolist()
+
+        config = GRPOConfig(output_dir=os.path.join(path, "out"), use_cpu=dev.type == "cpu", bf16=False,
+                            report_to=[], disable_tqdm=True, save_strategy="no", logging_steps=10**6,
+                            learning_rate=args.lr, lr_scheduler_type="constant", per_device_train_batch_size=args.batch,
+                            num_generations=args.num_generations, max_completion_length=task.max_new_tokens,
+                            beta=args.beta, loss_type=args.loss_type, max_steps=args.steps, seed=args.seed,
+                            temperature=1.0, max_grad_norm=1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = GRPOTrainer(model=path, reward_funcs=exact_match_reward, args=config,
+                                  train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
+            start = time.perf_counter()
+            trainer.train()
+            seconds = time.perf_counter() - start
+        trained = trainer.model
+    after = exact_match(trained, tokenizer, task, test)
+    return {"trainer": which, "seconds": seconds, "completions_per_s": args.steps * args.batch / seconds,
+            "before": before, "after": after, "peak_mb": _peak_memory_mb(dev), "device": str(dev)}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlcourse.bench grpo-vs-trl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=tuple(SIZES), default="laptop")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None, help="completions per step")
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--loss-type", default="dapo")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.steps = args.steps or SIZES[args.size]["steps"]
+    args.batch = args.batch or SIZES[args.size]["batch"]
+    if args.only:
+        print(json.dumps(_run_one(args.only, args)))
+        return 0
+    results = {}
+    for which in ("ours", "trl"):
+        cmd = [sys.executable, "-m", "rlcourse.bench", "grpo-vs-trl", "--only", which, *argv]
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if out.returncode != 0:
+            print(out.stdout[-2000:], out.stderr[-4000:])
+            return 1
+        results[which] = json.loads(out.stdout.strip().splitlines()[-1])
+    ours, trl = results["ours"], results["trl"]
+    print(f"grpo-vs-trl: addition-partial, {args.steps} steps x {args.batch} completions "
+          f"(num_generations={args.num_generations}, lr={args.lr}, beta={args.beta}, loss_type={args.loss_type}), "
+          f"{args.threads} threads, device {ours['device']}")
+    for r in (ours, trl):
+        print(f"  {r['trainer']:<5} {r['completions_per_s']:8.1f} completions/s ({r['seconds']:.1f} s) | held-out exact "
+              f"match {r['before']:.1%} -> {r['after']:.1%} | peak memory {r['peak_mb']:.0f} MB")
+    ratio = ours["completions_per_s"] / trl["completions_per_s"]
+    gap = 100 * (ours["after"] - trl["after"])
+    print(f"  speed ratio ours/TRL: {ratio:.2f}x (goal >= 3x); accuracy ours - TRL: {gap:+.1f} points (goal >= -3)")
+    return 0

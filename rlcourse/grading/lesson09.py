@@ -1,0 +1,150 @@
+"""Checks for lesson 09 (REINFORCE and RLOO for language models).
+
+* :func:`check_leave_one_out_advantages` - RLOO's baseline: the mean of the *other* K-1 rewards of
+  the group (mistakes caught: the sample inside its own baseline, K instead of K-1, one mean over
+  the whole batch, groups read across the batch instead of as consecutive rows);
+* :func:`check_policy_gradient_loss` - the bandit REINFORCE surrogate with a detached advantage
+  (wrong sign, undetached advantage, a token mean, padding counted);
+* :func:`check_rloo_gradient_estimate` - an experiment: the learner's Monte-Carlo RLOO gradient on
+  the exact oracle, measured over thousands of groups: unbiased, with RLOO's variance.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import torch
+
+from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy
+
+__all__ = ["check_leave_one_out_advantages", "check_policy_gradient_loss", "check_rloo_gradient_estimate"]
+
+
+def _call_unmutated(name, case, fn, *tensors, **kwargs):
+    before = [t.clone() if isinstance(t, torch.Tensor) else t for t in tensors]
+    got = fn(*tensors, **kwargs)
+    if any(isinstance(t, torch.Tensor) and not torch.equal(b, t) for b, t in zip(before, tensors)):
+        fail(name, case, "inputs left unchanged", "an input tensor was modified in place",
+             "compute new tensors instead of writing into the arguments")
+    return got
+
+
+def check_leave_one_out_advantages(fn) -> None:
+    """``fn(rewards, num_generations) -> (B,)``: ``A_i = r_i - mean of the other K-1 rewards of i's group``.
+
+    Rewards come in groups of ``K = num_generations`` consecutive entries (all completions of one
+    prompt next to each other).
+    """
+    from rlcourse.losses.grpo import leave_one_out_advantages as reference
+
+    name = "check_leave_one_out_advantages"
+    gen = torch.Generator().manual_seed(90)
+    cases = [("one group of 4 (K=4)", torch.tensor([1.0, 0.0, 0.0, 0.0]), 4),
+             ("two groups of 2 (K=2): the baseline is the one sibling", torch.tensor([1.0, 0.0, 0.5, 0.25]), 2),
+             ("three groups of 4, random rewards", torch.randn(12, generator=gen), 4),
+             ("integer rewards 0/1 (K=3)", torch.tensor([1, 0, 0, 1, 1, 1]), 3),
+             ("a group whose rewards are all equal (its advantages are 0)", torch.tensor([0.7] * 4 + [0.0, 1.0, 1.0, 0.0]), 4),
+             ("rewards near 1e6 (K=8)", 1e6 + torch.randn(16, generator=gen, dtype=torch.float64), 8)]
+    for case, rewards, K in cases:
+        got = _call_unmutated(name, case, fn, rewards, K)
+        expected = reference(rewards, K)
+        r = rewards.double()
+        grouped = r.view(-1, K)
+        fail_if_mistake(name, case, expected, got, (grouped - grouped.mean(1, keepdim=True)).reshape(-1),
+                        "the baseline must leave the sample out: mean of the K-1 *others*, "
+                        "(sum of the group - r_i) / (K - 1); the group mean includes r_i itself")
+        fail_if_mistake(name, case, expected, got, (grouped - (grouped.sum(1, keepdim=True) - grouped) / K).reshape(-1),
+                        "the others are K - 1 rewards: divide their sum by K - 1, not by K")
+        fail_if_mistake(name, case, expected, got, r - (r.sum() - r) / (r.numel() - 1),
+                        "the baseline comes from the completion's own group (its prompt), not the whole batch")
+        interleaved = r.view(K, -1)
+        fail_if_mistake(name, case, expected, got,
+                        (interleaved - (interleaved.sum(0, keepdim=True) - interleaved) / (K - 1)).reshape(-1),
+                        "a group is K *consecutive* rewards: rewards.view(-1, K), one row per prompt")
+        atol = 1e-3 if rewards.abs().max() > 1e3 else 1e-6
+        assert_close(name, case, expected, got, hint="A_i = r_i - (sum_group - r_i) / (K - 1)", atol=atol)
+    passed(name, len(cases))
+
+
+def check_policy_gradient_loss(fn) -> None:
+    """``fn(logprobs, mask, advantages) -> scalar``: ``-(1/B) sum_i A_i sum_t m_it log pi(y_it)``.
+
+    ``advantages`` may carry a gradient (it came from a differentiable reward or baseline): it is a
+    weight and must be detached.
+    """
+    name = "check_policy_gradient_loss"
+    gen = torch.Generator().manual_seed(91)
+    cases = []
+    for i, (B, T) in enumerate([(2, 1), (4, 5), (6, 7)]):
+        logp = -torch.rand(B, T, generator=gen) * 3
+        lengths = torch.randint(1, T + 1, (B,), generator=gen)
+        lengths[0] = T
+        mask = (torch.arange(T) < lengths[:, None]).long()
+        logp = torch.where(mask.bool(), logp, torch.full_like(logp, -7.0))     # padding holds junk
+        adv = torch.randn(B, generator=gen)
+        cases.append((f"batch #{i} (B={B}, T={T}, padding holds -7.0)", logp, mask, adv))
+    for case, logp0, mask, adv0 in cases:
+        logp = logp0.clone().requires_grad_()
+        source = adv0.clone().requires_grad_()
+        advantages = source * 1.0                                    # a non-leaf with a graph behind it
+        got = fn(logp, mask, advantages)
+        if not isinstance(got, torch.Tensor) or got.ndim != 0:
+            fail(name, case, "a scalar tensor", got, "return one number: the loss to minimise")
+        m = mask.to(logp0.dtype)
+        expected = -(adv0[:, None] * logp0 * m).sum() / logp0.shape[0]
+        hint = "loss = -(1/B) sum_i A_i sum_t mask_it logprobs_it (minus: optimisers minimise)"
+        fail_if_mistake(name, case, expected, got.detach(), -expected, "wrong sign: minimising must raise "
+                        "log pi of completions with positive advantage, so the loss is MINUS A log pi")
+        fail_if_mistake(name, case, expected, got.detach(), -(adv0[:, None] * logp0 * m).sum() / m.sum(),
+                        "divide by the number of completions B (one REINFORCE term per sequence), not tokens")
+        fail_if_mistake(name, case, expected, got.detach(), -(adv0[:, None] * logp0).sum() / logp0.shape[0],
+                        "multiply by the mask: padding after <eos> holds junk log-probs")
+        assert_close(name, case, expected, got.detach(), hint=hint, atol=1e-5)
+        got.backward()
+        if source.grad is not None and float(source.grad.abs().sum()) > 0:
+            fail(name, case, "no gradient into the advantages", "advantages received a gradient",
+                 "detach the advantage (advantages.detach()): it is a weight, not something to optimise")
+        assert_close(name, case + " (gradient)", -adv0[:, None] * m / logp0.shape[0], logp.grad, hint=hint, atol=1e-6)
+    passed(name, len(cases))
+
+
+def check_rloo_gradient_estimate(fn) -> None:
+    """``fn(policy, rewards, K, generator) -> (D,)``: one RLOO gradient estimate from K samples.
+
+    Measured over 3000 calls on an :class:`~rlcourse.lm.exact_oracle.EnumerablePolicy` with a
+    seeded generator: the mean must match the exact ``grad J`` within noise (unbiased) and the
+    variance must match RLOO's (a plain REINFORCE or a batch-mean baseline are caught).
+    """
+    from rlcourse.lm.exact_oracle import EnumerablePolicy, estimator_stats, gradient_estimates
+
+    name = "check_rloo_gradient_estimate"
+    n = 3000
+    cases = 0
+    for seed, K in ((0, 4), (1, 2)):
+        policy = EnumerablePolicy(vocab_size=4, max_len=2, n_prompts=1, seed=seed)
+        rewards = 1.0 + (torch.rand(1, policy.n_completions, generator=torch.Generator().manual_seed(seed)) < 0.4).float()
+        exact = policy.flat_grad(policy.objective(rewards)).detach()
+        gen = torch.Generator().manual_seed(100 + seed)
+        first = fn(policy, rewards, K, gen)
+        if first is None or to_numpy(first).shape != tuple(exact.shape):
+            fail(name, f"K={K}", f"a flat gradient of shape {tuple(exact.shape)}",
+                 None if first is None else f"shape {to_numpy(first).shape}",
+                 "return (1/K) sum_i A_i * score[y_i], a vector of policy.logits.numel() numbers")
+        draws = torch.stack([torch.as_tensor(to_numpy(fn(policy, rewards, K, gen))) for _ in range(n)]).float()
+        ours = estimator_stats(draws, exact)
+        ref = estimator_stats(gradient_estimates(policy, rewards, K, "rloo", 20_000,
+                                                 torch.Generator().manual_seed(7)), exact)
+        case = f"{n} estimates, K={K}, rewards in {{1, 2}}"
+        if ours["bias"] > 5 * ours["bias_se"] + 1e-9:
+            scale = ours["scale"]
+            hint = (f"your mean is {scale:.2f} x the exact gradient: the sample is inside its own baseline "
+                    f"(expected (K-1)/K = {(K - 1) / K:.2f})" if abs(scale - (K - 1) / K) < 0.05 else
+                    "draw y_i with policy.sample(K, generator), weigh score[y_i] by A_i, average over the K")
+            fail(name, case, f"bias within noise (< {5 * ours['bias_se']:.4f})", f"bias {ours['bias']:.4f}", hint)
+        if not 0.8 < ours["variance"] / ref["variance"] < 1.25:
+            fail(name, case, f"variance near RLOO's {ref['variance']:.4f}", f"{ours['variance']:.4f}",
+                 "use the leave-one-out baseline; plain REINFORCE (no baseline) has a far larger variance "
+                 "when every reward is shifted by a constant")
+        cases += 1
+    if not np.isfinite(ours["variance"]):
+        fail(name, "finite values", "finite", ours["variance"])
+    passed(name, cases)

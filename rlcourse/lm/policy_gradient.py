@@ -1,0 +1,264 @@
+"""One critic-free policy-gradient trainer for causal LMs: REINFORCE, RLOO, GRPO and its variants.
+
+Pseudocode of one step (every formula lives in :mod:`rlcourse.losses.grpo`):
+
+    prompts  <- n prompts, each repeated num_generations times (a group)
+    y        <- sample(pi_theta, prompts) at `temperature`            # rlcourse.lm.sample
+    r        <- task.reward(prompts, y)                               # one scalar per completion
+    r        <- r - beta * sum_t k1_t                 (kl_in_reward: RLOO's KL in the reward)
+    A        <- advantages(r)                         (grpo | rloo | batch_mean | moving_average)
+    [drop groups whose rewards are all equal]         (dynamic_sampling, DAPO)
+    logp_old <- log pi_theta(y) now, without grad     (only when num_iterations > 1)
+    repeat num_iterations times:
+        logp <- log pi_theta(y) at `temperature`       # rlcourse.lm.logprobs
+        loss <- aggregate(per_token_loss(logp, logp_old, A, ...), loss_type)
+        one optimiser step
+
+Settings are named as TRL's ``GRPOConfig`` / ``RLOOConfig`` (see :class:`PolicyGradientConfig`) and
+the logged metrics use TRL's names. Any ``transformers`` causal LM with a tokenizer that defines
+``eos_token`` and ``pad_token`` works.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from rlcourse.kl import entropy as exact_entropy
+from rlcourse.kl import kl_k1, kl_k3
+from rlcourse.lm.logprobs import completion_logits, token_logprobs_from_logits
+from rlcourse.lm.sampling import sample
+from rlcourse.losses import masked_mean
+from rlcourse.losses.grpo import (LOSS_TYPES, aggregate_loss, batch_mean_advantages, clip_fractions,
+                                  group_advantages, importance_weights, leave_one_out_advantages,
+                                  moving_average_baseline, per_token_loss, rloo_loss)
+
+__all__ = ["PolicyGradientConfig", "PolicyGradientTrainer", "ADVANTAGE_ESTIMATORS"]
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "batch_mean", "moving_average")
+
+
+@dataclass
+class PolicyGradientConfig:
+    """Settings, named as in TRL's ``GRPOConfig`` / ``RLOOConfig``. Defaults that differ from TRL's:
+
+    * ``learning_rate`` 1e-4 (TRL: 1e-6, sized for billion-parameter models; the tiny GPT needs more);
+    * ``per_device_train_batch_size`` 64 completions per step (TRL: 8);
+    * ``max_completion_length`` ``None`` = the task's ``max_new_tokens`` (TRL: 512);
+    * ``std_floor`` is ours (TRL adds a fixed 1e-4 to the std); groups of exactly equal rewards
+      get exactly 0 advantage here;
+    * ``advantage_estimator``, ``baseline_decay``, ``kl_in_reward`` and ``dynamic_sampling`` are
+      ours: TRL picks the estimator by trainer class (GRPOTrainer: ``grpo``, RLOOTrainer: ``rloo``
+      with ``kl_in_reward=True`` and ``loss_type="rloo"``), and has no dynamic sampling.
+
+    ``loss_type`` is one of ``grpo, bnpo, dr_grpo, dapo, cispo, sapo`` (TRL's default ``dapo``) or
+    ``rloo`` (RLOOTrainer's loss: PPO-clip on the whole-sequence ratio).
+    """
+
+    learning_rate: float = 1e-4
+    per_device_train_batch_size: int = 64
+    num_generations: int = 8
+    max_completion_length: int | None = None
+    temperature: float = 1.0
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    scale_rewards: str = "group"
+    num_iterations: int = 1
+    mask_truncated_completions: bool = False
+    use_bias_correction_kl: bool = True
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    max_steps: int = 100
+    seed: int = 0
+    std_floor: float = 1e-4
+    advantage_estimator: str = "grpo"
+    baseline_decay: float = 0.9
+    kl_in_reward: bool = False
+    dynamic_sampling: bool = False
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self):
+        if self.loss_type not in (*LOSS_TYPES, "rloo"):
+            raise ValueError(f"loss_type must be one of {(*LOSS_TYPES, 'rloo')}, got {self.loss_type!r}")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, "
+                             f"got {self.advantage_estimator!r}")
+        if self.num_generations < 1 or self.per_device_train_batch_size % self.num_generations:
+            raise ValueError(f"per_device_train_batch_size ({self.per_device_train_batch_size}) must be a "
+                             f"multiple of num_generations ({self.num_generations})")
+        if self.advantage_estimator in ("grpo", "rloo") and self.num_generations < 2:
+            raise ValueError(f"advantage_estimator={self.advantage_estimator!r} needs num_generations >= 2")
+        if self.num_iterations < 1:
+            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta!r}")
+
+
+@dataclass
+class _Batch:
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    metrics: dict = field(default_factory=dict)
+
+
+class PolicyGradientTrainer:
+    """``trainer = PolicyGradientTrainer(model, tokenizer, task, config); trainer.train()``.
+
+    ``task`` has ``prompts(n, rng) -> list[str]``, ``reward(prompts, completions) -> tensor`` and
+    ``max_new_tokens`` (every task in :mod:`rlcourse.lm.tasks` does). ``history`` holds one dict of
+    metrics per step. ``ref_model`` defaults to a frozen copy of ``model`` when ``beta > 0``.
+    """
+
+    def __init__(self, model, tokenizer, task, config: PolicyGradientConfig | None = None, ref_model=None,
+                 optimizer: torch.optim.Optimizer | None = None):
+        self.model, self.tokenizer, self.task = model, tokenizer, task
+        self.config = config or PolicyGradientConfig()
+        c = self.config
+        self.max_len = c.max_completion_length or task.max_new_tokens
+        if c.beta > 0 and ref_model is None:
+            ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.ref_model = ref_model
+        self.optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=c.learning_rate)
+        self.device = next(model.parameters()).device
+        self.rng = np.random.default_rng(c.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(c.seed)
+        self.baseline: float | None = None
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ pieces of one step
+    def _logits_and_logprobs(self, model, b: _Batch):
+        logits = completion_logits(model, b.prompt_ids, b.completion_ids, b.prompt_mask, b.loss_mask)
+        logp = token_logprobs_from_logits(logits, b.completion_ids, self.config.temperature)
+        return logits, logp * b.loss_mask.to(logp.dtype)
+
+    def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if c.advantage_estimator == "grpo":
+            return group_advantages(rewards, c.num_generations, c.scale_rewards, c.std_floor)
+        if c.advantage_estimator == "rloo":
+            return leave_one_out_advantages(rewards, c.num_generations)
+        if c.advantage_estimator == "batch_mean":
+            return batch_mean_advantages(rewards)
+        baseline = self.baseline if self.baseline is not None else float(rewards.mean())
+        self.baseline = moving_average_baseline(self.baseline, rewards, c.baseline_decay)
+        return rewards - baseline                      # the baseline from *before* this batch
+
+    @torch.no_grad()
+    def make_batch(self) -> _Batch:
+        """Sample, score and compute advantages for one step's completions."""
+        c = self.config
+        n_prompts = c.per_device_train_batch_size // c.num_generations
+        prompts = [p for p in self.task.prompts(n_prompts, self.rng) for _ in range(c.num_generations)]
+        roll = sample(self.model, self.tokenizer, prompts, self.max_len, temperature=c.temperature,
+                      generator=self.generator)
+        rewards = torch.as_tensor(self.task.reward(prompts, roll.completions), dtype=torch.float32).to(self.device)
+        if rewards.shape != (len(prompts),) or bool(torch.isnan(rewards).any()):
+            raise ValueError(f"task.reward must return one finite reward per completion, got {rewards}")
+        mask = roll.completion_mask
+        truncated = ~roll.finished
+        if c.mask_truncated_completions:
+            mask = mask * (~truncated).long()[:, None]
+        b = _Batch(roll.prompt_ids, roll.prompt_mask, roll.completion_ids, mask, rewards, None, None)
+        ref = None
+        if self.ref_model is not None and (c.beta > 0):
+            ref = self._logits_and_logprobs(self.ref_model, b)[1]
+        shaped = rewards
+        if c.kl_in_reward and ref is not None:   # RLOO: r - beta * sum_t (log pi_old - log pi_ref)
+            old_now = self._logits_and_logprobs(self.model, b)[1]
+            shaped = rewards - c.beta * (kl_k1(old_now, ref) * mask).sum(1)
+        advantages = self._advantages(shaped)
+        grouped = rewards.view(-1, c.num_generations)
+        zero_std = (grouped == grouped[:, :1]).all(1)
+        lengths = roll.completion_mask.sum(1).float()
+        b.metrics = {"reward": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                     "frac_reward_zero_std": float(zero_std.float().mean()),
+                     "completions/mean_length": float(lengths.mean()),
+                     "completions/clipped_ratio": float(truncated.float().mean())}
+        keep = torch.ones_like(rewards, dtype=torch.bool)
+        if c.dynamic_sampling:                   # DAPO: drop groups with no learning signal
+            keep = (~zero_std).repeat_interleave(c.num_generations)
+        if not bool(keep.any()) or float(mask[keep].sum()) == 0:
+            b.advantages = None                  # nothing to learn from in this batch
+            return b
+        for name in ("prompt_ids", "prompt_mask", "completion_ids", "loss_mask"):
+            setattr(b, name, getattr(b, name)[keep])
+        b.advantages = advantages[keep]
+        b.ref_logprobs = ref[keep] if ref is not None else None
+        if c.num_iterations > 1:
+            b.old_logprobs = self._logits_and_logprobs(self.model, b)[1]
+        return b
+
+    def _loss(self, b: _Batch):
+        c = self.config
+        logits, logp = self._logits_and_logprobs(self.model, b)
+        old = b.old_logprobs if b.old_logprobs is not None else logp.detach()
+        mask = b.loss_mask
+        if c.loss_type == "rloo":
+            loss = rloo_loss(logp, old, b.advantages, mask, c.epsilon, c.epsilon_high)
+            ratio = torch.exp(((logp - old) * mask).sum(1, keepdim=True))
+        else:
+            beta = 0.0 if c.kl_in_reward else c.beta
+            per_token = per_token_loss(logp, old, b.advantages, mask, c.loss_type, c.epsilon, c.epsilon_high,
+                                       c.importance_sampling_level, beta, b.ref_logprobs, c.sapo_temperature_pos,
+                                       c.sapo_temperature_neg, c.use_bias_correction_kl)
+            loss = aggregate_loss(per_token, mask, c.loss_type, self.max_len)
+            ratio = importance_weights(logp, old, mask, c.importance_sampling_level).detach()
+        with torch.no_grad():
+            logp_full = torch.log_softmax(logits.float() / c.temperature, dim=-1)
+            stats = {"entropy": float(masked_mean(exact_entropy(logp_full), mask.bool())),
+                     **clip_fractions(ratio, b.advantages, mask, c.epsilon, c.epsilon_high)}
+            if b.ref_logprobs is not None:
+                stats["kl"] = float(masked_mean(kl_k3(logp.detach(), b.ref_logprobs), mask.bool()))
+        return loss, stats
+
+    def step(self) -> dict:
+        """One training step (sampling, then ``num_iterations`` optimiser steps); returns its metrics."""
+        b = self.make_batch()
+        metrics = dict(b.metrics)
+        if b.advantages is None:
+            metrics.update(loss=0.0, skipped=1.0)
+            self.history.append(metrics)
+            return metrics
+        self.model.train()
+        for _ in range(self.config.num_iterations):
+            loss, stats = self._loss(b)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.config.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            self.optimizer.step()
+        self.model.eval()
+        metrics.update(stats, loss=float(loss.detach()))
+        self.history.append(metrics)
+        return metrics
+
+    def train(self, max_steps: int | None = None, progress: bool = True, callback=None) -> list[dict]:
+        """Run ``max_steps`` steps (default ``config.max_steps``) with a tqdm bar showing reward and KL.
+
+        ``callback(step, trainer)`` runs after each step (e.g. a held-out evaluation every N steps).
+        """
+        from tqdm.auto import tqdm
+
+        steps = self.config.max_steps if max_steps is None else max_steps
+        bar = tqdm(range(steps), disable=not progress, desc=f"{self.config.advantage_estimator}/{self.config.loss_type}")
+        for i in bar:
+            m = self.step()
+            bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m.get('kl', 0.0):.4f}")
+            if callback is not None:
+                callback(i, self)
+        return self.history
+
+    def config_dict(self) -> dict:
+        return asdict(self.config)

@@ -1,0 +1,109 @@
+"""Lesson 09's checks pass reference answers and catch plausible wrong ones."""
+import pytest
+
+import rlcourse  # noqa: F401
+import torch
+
+from rlcourse.grading import CheckFailed
+from rlcourse.grading.lesson09 import (check_leave_one_out_advantages, check_policy_gradient_loss,
+                                       check_rloo_gradient_estimate)
+
+
+def loo_ok(rewards, K):
+    g = rewards.double().view(-1, K)
+    return (g - (g.sum(1, keepdim=True) - g) / (K - 1)).reshape(-1)
+
+
+def loo_scaled_form(rewards, K):
+    g = rewards.double().view(-1, K)
+    return (K / (K - 1) * (g - g.mean(1, keepdim=True))).reshape(-1).numpy()
+
+
+def loo_includes_self(rewards, K):
+    g = rewards.double().view(-1, K)
+    return (g - g.mean(1, keepdim=True)).reshape(-1)
+
+
+def loo_divides_by_k(rewards, K):
+    g = rewards.double().view(-1, K)
+    return (g - (g.sum(1, keepdim=True) - g) / K).reshape(-1)
+
+
+def loo_whole_batch(rewards, K):
+    r = rewards.double()
+    return r - (r.sum() - r) / (r.numel() - 1)
+
+
+def loo_interleaved(rewards, K):
+    g = rewards.double().view(K, -1)
+    return (g - (g.sum(0, keepdim=True) - g) / (K - 1)).reshape(-1)
+
+
+def loo_in_place(rewards, K):
+    g = rewards.view(-1, K)
+    g -= 0.0 + (g.sum(1, keepdim=True) - g) / (K - 1)
+    return rewards
+
+
+def test_loo_check_passes_references(capsys):
+    check_leave_one_out_advantages(loo_ok)
+    check_leave_one_out_advantages(loo_scaled_form)
+    assert capsys.readouterr().out.count("passed") == 2
+
+
+@pytest.mark.parametrize("wrong", [loo_includes_self, loo_divides_by_k, loo_whole_batch, loo_interleaved,
+                                   loo_in_place])
+def test_loo_check_catches(wrong):
+    with pytest.raises(CheckFailed):
+        check_leave_one_out_advantages(wrong)
+
+
+def pg_ok(logprobs, mask, advantages):
+    return -(advantages.detach()[:, None] * logprobs * mask).sum() / logprobs.shape[0]
+
+
+def pg_not_detached(logprobs, mask, advantages):
+    return -(advantages[:, None] * logprobs * mask).sum() / logprobs.shape[0]
+
+
+def pg_wrong_sign(logprobs, mask, advantages):
+    return (advantages.detach()[:, None] * logprobs * mask).sum() / logprobs.shape[0]
+
+
+def pg_token_mean(logprobs, mask, advantages):
+    return -(advantages.detach()[:, None] * logprobs * mask).sum() / mask.sum()
+
+
+def pg_no_mask(logprobs, mask, advantages):
+    return -(advantages.detach()[:, None] * logprobs).sum() / logprobs.shape[0]
+
+
+def test_pg_check_passes_reference(capsys):
+    check_policy_gradient_loss(pg_ok)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", [pg_not_detached, pg_wrong_sign, pg_token_mean, pg_no_mask])
+def test_pg_check_catches(wrong):
+    with pytest.raises(CheckFailed):
+        check_policy_gradient_loss(wrong)
+
+
+def _estimate(policy, rewards, K, generator, baseline):
+    idx = policy.sample(K, generator)[0]
+    r = rewards[0, idx]
+    if baseline == "rloo":
+        adv = r - (r.sum() - r) / (K - 1)
+    elif baseline == "mean":
+        adv = r - r.mean()
+    else:
+        adv = r
+    return (adv[:, None] * policy.score_matrix()[0, idx]).mean(0)
+
+
+def test_rloo_estimate_check(capsys):
+    check_rloo_gradient_estimate(lambda p, r, K, g: _estimate(p, r, K, g, "rloo"))
+    assert "passed" in capsys.readouterr().out
+    for wrong in ("mean", "none"):
+        with pytest.raises(CheckFailed):
+            check_rloo_gradient_estimate(lambda p, r, K, g, w=wrong: _estimate(p, r, K, g, w))

@@ -1,0 +1,167 @@
+"""Parity with TRL 1.16: our GRPO/RLOO advantages, per-token losses, losses and gradients equal what
+TRL's own GRPOTrainer and RLOOTrainer compute on the same fixed inputs (their code is run, not copied).
+
+One trainer per module (building one takes about a second); each case sets the trainer's
+attributes that TRL's ``_compute_loss`` reads (``loss_type``, ``importance_sampling_level``,
+``beta``, ``epsilon_low``/``epsilon_high``), then compares.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+
+import rlcourse  # noqa: F401  (before torch)
+import torch
+
+from rlcourse.lm import load_checkpoint, save_checkpoint, sequence_logprobs
+from rlcourse.losses import (LOSS_TYPES, aggregate_loss, group_advantages, leave_one_out_advantages,
+                             per_token_loss, rloo_loss)
+
+import trl  # noqa: E402  (a dependency of the project: these tests never skip)
+from datasets import Dataset  # noqa: E402
+
+PROMPTS = ["12+34=", "56+78=", "90+12=", "33+44="]       # one length: no left padding
+K = 4
+MAX_LEN = 5
+REWARDS = torch.tensor([0.0, 1.0, 1.0, 0.0,   0.25, 0.25, 0.25, 0.25,   1.0, 0.5, 0.0, 0.75,   1.0, 1.0, 0.0, 1.0])
+
+
+def _reward_column(completions, reward, **kwargs):
+    return list(reward)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    model, tokenizer = load_checkpoint("addition-partial", device="cpu")
+    save_checkpoint(model, tokenizer, path)
+    rows = [p for p in PROMPTS for _ in range(K)]
+    dataset = Dataset.from_dict({"prompt": rows, "reward": REWARDS.tolist()})
+    common = dict(output_dir=str(path / "out"), use_cpu=True, bf16=False, report_to=[], disable_tqdm=True,
+                  per_device_train_batch_size=len(rows), num_generations=K, max_completion_length=MAX_LEN,
+                  beta=0.04)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        grpo = trl.GRPOTrainer(model=str(path), reward_funcs=_reward_column, train_dataset=dataset,
+                               processing_class=tokenizer, args=trl.GRPOConfig(**common))
+        rloo = trl.RLOOTrainer(model=str(path), reward_funcs=_reward_column, train_dataset=dataset,
+                               processing_class=tokenizer, args=trl.RLOOConfig(**common))
+    for trainer in (grpo, rloo):
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.train()
+
+    # Fixed completions of varied lengths (1..MAX_LEN tokens, some ending in <eos>, some cut).
+    gen = torch.Generator().manual_seed(0)
+    enc = tokenizer(rows, return_tensors="pt")
+    prompt_ids, prompt_mask = enc["input_ids"], enc["attention_mask"]
+    B = len(rows)
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    completion_ids = torch.tensor(digits)[torch.randint(0, 10, (B, MAX_LEN), generator=gen)]
+    lengths = torch.tensor([1, 2, 3, 4, 5, 3, 2, 5, 4, 1, 5, 2, 3, 4, 5, 2])
+    positions = torch.arange(MAX_LEN)[None]
+    completion_mask = (positions < lengths[:, None]).long()
+    ended = lengths < MAX_LEN
+    completion_ids[torch.arange(B)[ended], lengths[ended] - 1] = tokenizer.eos_token_id
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    # Old and reference log-probs: the current ones plus fixed noise, so ratios leave [0.8, 1.2].
+    with torch.no_grad():
+        current = sequence_logprobs(grpo.model, prompt_ids, completion_ids, completion_mask, prompt_mask)
+    old = (current + 0.3 * torch.randn(current.shape, generator=gen)) * completion_mask
+    ref = (current + 0.2 * torch.randn(current.shape, generator=gen)) * completion_mask
+    advantages = torch.randn(B, generator=gen)
+    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                 completion_mask=completion_mask, advantages=advantages, old=old, ref=ref)
+    return dict(grpo=grpo, rloo=rloo, batch=batch, tokenizer=tokenizer, rows=rows)
+
+
+def _grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def _trl_grpo_loss(trainer, b):
+    inputs = {k: b[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")}
+    inputs["old_per_token_logps"] = b["old"]
+    inputs["ref_per_token_logps"] = b["ref"]
+    inputs["num_items_in_batch"] = b["completion_mask"].sum()
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), _grads(trainer.model)
+
+
+CASES = [(t, lvl, 0.0, True) for t, lvl in itertools.product(LOSS_TYPES, ("token", "sequence"))]
+CASES += [(t, lvl, 0.04, corr) for t, lvl, corr in itertools.product(("grpo", "dapo"), ("token", "sequence"),
+                                                                   (True, False))]
+
+
+@pytest.mark.parametrize("loss_type,level,beta,bias_correction", CASES)
+def test_grpo_loss_and_gradient_match_trl(setup, loss_type, level, beta, bias_correction):
+    trainer, b = setup["grpo"], setup["batch"]
+    trainer.args.use_bias_correction_kl = bias_correction
+    epsilon_high = 5.0 if loss_type == "cispo" else 0.28
+    trainer.loss_type, trainer.importance_sampling_level, trainer.beta = loss_type, level, beta
+    trainer.epsilon_low, trainer.epsilon_high = 0.2, epsilon_high
+    expected_loss, expected_grad = _trl_grpo_loss(trainer, b)
+
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    logprobs = sequence_logprobs(model, b["prompt_ids"], b["completion_ids"], b["completion_mask"], b["prompt_mask"])
+    per_token = per_token_loss(logprobs, b["old"], b["advantages"], b["completion_mask"], loss_type=loss_type,
+                               epsilon=0.2, epsilon_high=epsilon_high, importance_sampling_level=level,
+                               beta=beta, ref_logprobs=b["ref"], use_bias_correction_kl=bias_correction)
+    loss = aggregate_loss(per_token, b["completion_mask"], loss_type, max_completion_length=MAX_LEN)
+    loss.backward()
+    assert torch.allclose(loss.detach(), expected_loss, atol=1e-6, rtol=0), (loss.item(), expected_loss.item())
+    assert torch.allclose(_grads(model), expected_grad, atol=1e-6, rtol=1e-5)
+    assert expected_grad.abs().max() > 1e-4          # a real gradient, not two zeros
+
+
+def _trl_advantages(trainer, rows, completion_ids, completion_mask, tokenizer):
+    """Run TRL's _generate_and_score_completions with generation replaced by our fixed completions."""
+    prompt_ids = [tokenizer(r)["input_ids"] for r in rows]
+    completions = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, completion_mask)]
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    if isinstance(trainer, trl.GRPOTrainer):
+        trainer._generate = lambda prompts: (prompt_ids, completions, None, texts, None, {}, None, None)
+    else:
+        trainer._generate = lambda prompts: (prompt_ids, completions, texts)
+    inputs = [{"prompt": p, "reward": float(r)} for p, r in zip(rows, REWARDS)]
+    out = trainer._generate_and_score_completions(inputs)
+    return out
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_group_advantages_match_trl(setup, scale_rewards):
+    trainer, b = setup["grpo"], setup["batch"]
+    trainer.scale_rewards, trainer.beta = scale_rewards, 0.0
+    out = _trl_advantages(trainer, setup["rows"], b["completion_ids"], b["completion_mask"], setup["tokenizer"])
+    ours = group_advantages(REWARDS, K, scale_rewards=scale_rewards)
+    assert torch.allclose(ours, out["advantages"], atol=1e-6, rtol=0)
+    assert ours.abs().max() > 0.5
+
+
+def test_rloo_advantages_loss_and_gradient_match_trl(setup):
+    trainer, b = setup["rloo"], setup["batch"]
+    trainer.beta = 0.0
+    out = _trl_advantages(trainer, setup["rows"], b["completion_ids"], b["completion_mask"], setup["tokenizer"])
+    assert torch.allclose(leave_one_out_advantages(REWARDS, K), out["advantages"], atol=1e-6, rtol=0)
+
+    trainer.epsilon_low, trainer.epsilon_high = 0.2, 0.28
+    old_logps = (b["old"] * b["completion_mask"]).sum(1)
+    inputs = {k: b[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")}
+    inputs["old_logps"] = old_logps
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    expected = trainer.compute_loss(model, inputs)
+    expected.backward()
+    expected_grad = _grads(model)
+
+    model.zero_grad(set_to_none=True)
+    logprobs = sequence_logprobs(model, b["prompt_ids"], b["completion_ids"], b["completion_mask"], b["prompt_mask"])
+    loss = rloo_loss(logprobs, b["old"], b["advantages"], b["completion_mask"], epsilon=0.2, epsilon_high=0.28)
+    loss.backward()
+    assert torch.allclose(loss.detach(), expected.detach(), atol=1e-6, rtol=0)
+    assert torch.allclose(_grads(model), expected_grad, atol=1e-6, rtol=1e-5)
+    assert expected_grad.abs().max() > 1e-4
