@@ -28,6 +28,8 @@ ROOT_FLAG := $(shell [ "$$(id -u)" = "0" ] && echo --allow-root)
 
 env: $(STAMP)
 
+# The kernel's name and display name are the committed notebooks' kernelspec (KERNELSPEC in
+# rlcourse/tools/execute.py), so opening a lesson in JupyterLab does not rewrite its metadata.
 # torch goes in first, from $(TORCH): installing the package first would let pip pick a default
 # torch build (several GB of CUDA libraries on Linux).
 $(STAMP): pyproject.toml

@@ -6,6 +6,38 @@ import numpy as np
 
 from rlcourse.envs.gridworld import ACTION_ARROWS
 
+# One look for every lesson, readable when projected at 1024 px: JupyterLab's output column is
+# then about 850 px wide, so figures are at most 10 inches at 80 dpi and fonts are 12-13 pt.
+COURSE_STYLE = {
+    "figure.dpi": 80,
+    "savefig.dpi": 80,
+    "figure.figsize": (8.0, 3.8),
+    "figure.facecolor": "white",
+    "font.size": 12,
+    "axes.titlesize": 13,
+    "axes.labelsize": 12,
+    "legend.fontsize": 10.5,
+    "xtick.labelsize": 11,
+    "ytick.labelsize": 11,
+    "lines.linewidth": 2.0,
+    "lines.markersize": 5,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "legend.framealpha": 0.85,
+}
+MAX_FIGURE_WIDTH = 10.0  # inches: 800 px at 80 dpi, inside JupyterLab's output column at 1024 px
+
+
+def use_course_style() -> None:
+    """Apply :data:`COURSE_STYLE` to matplotlib: larger fonts and widths that fit the output column.
+
+    Every lesson calls it in its first cell, after ``import matplotlib.pyplot``: the inline backend
+    sets its own defaults when pyplot is imported, and this must come after them.
+    """
+    plt.rcParams.update(COURSE_STYLE)
+
 
 def moving_average(values, window: int) -> np.ndarray:
     """Mean of the last ``window`` values at each point (shorter at the start)."""
@@ -33,7 +65,8 @@ def plot_gridworld_values(env, V, policy=None, ax=None, title: str | None = None
                           vmin: float | None = None, vmax: float | None = None):
     """Heatmap of state values on the grid, with an arrow for each state's most likely action.
 
-    Walls are grey, goals and traps are labelled ``G`` and ``T``.
+    Walls are grey. The goal is outlined in green and labelled "goal", a trap is hatched, outlined
+    in red and labelled "trap", so the two never look alike.
     """
     env = env.unwrapped
     ax = ax or plt.gca()
@@ -47,10 +80,15 @@ def plot_gridworld_values(env, V, policy=None, ax=None, title: str | None = None
     for s, (r, c) in enumerate(env.cells):
         kind = env.grid[r][c]
         if kind in "GT":
-            ax.text(c, r, f"{kind}\n{V[s]:.2f}", ha="center", va="center", fontsize=10, weight="bold")
+            color = "#1a7f37" if kind == "G" else "#b3261e"
+            ax.add_patch(plt.Rectangle((c - 0.46, r - 0.46), 0.92, 0.92, fill=False, edgecolor=color,
+                                       linewidth=3, hatch=None if kind == "G" else "xx"))
+            ax.text(c, r, f"{'goal' if kind == 'G' else 'trap'}\n{V[s]:.2f}", ha="center", va="center",
+                    fontsize=11, weight="bold", color=color,
+                    bbox=dict(boxstyle="round,pad=0.15", facecolor="white", alpha=0.8, linewidth=0))
             continue
         arrow = ACTION_ARROWS[int(np.argmax(policy[s]))] if policy is not None else ""
-        ax.text(c, r, f"{arrow}\n{V[s]:.2f}", ha="center", va="center", fontsize=10)
+        ax.text(c, r, f"{arrow}\n{V[s]:.2f}", ha="center", va="center", fontsize=11)
     ax.set_xticks([])
     ax.set_yticks([])
     if title:
@@ -61,9 +99,9 @@ def plot_gridworld_values(env, V, policy=None, ax=None, title: str | None = None
 # ---------------------------------------------------------------------------------- PPO and GAE (lessons 04-06)
 def plot_clip_objective(clip_coef: float = 0.2, advantage: float = 1.0, ax=None, clip_coef_high: float | None = None,
                         r_max: float = 2.0):
-    """PPO's per-sample objective ``min(r A, clip(r, 1-eps, 1+eps) A)`` against the ratio ``r``.
+    """PPO's per-sample objective ``min(rho A, clip(rho, 1-eps, 1+eps) A)`` against the ratio ``rho``.
 
-    Draws the unclipped ``r A`` (dashed), the clipped objective (solid) and shades the ratios
+    Draws the unclipped ``rho A`` (dashed), the clipped objective (solid) and shades the ratios
     where its gradient is 0 (the clipped branch is selected), for one advantage value.
     """
     import torch
@@ -75,8 +113,8 @@ def plot_clip_objective(clip_coef: float = 0.2, advantage: float = 1.0, ax=None,
     A = torch.full_like(r, float(advantage))
     obj = ppo_clip_objective(r, A, clip_coef, clip_coef_high).numpy()
     high = clip_coef if clip_coef_high is None else clip_coef_high
-    ax.plot(r, (r * A).numpy(), "--", color="grey", label="unclipped  r·A")
-    ax.plot(r, obj, color="C0" if advantage >= 0 else "C3", linewidth=2.5, label="L^CLIP = min(r·A, clip(r)·A)")
+    ax.plot(r, (r * A).numpy(), "--", color="grey", label="unclipped  ρ·A")
+    ax.plot(r, obj, color="C0" if advantage >= 0 else "C3", linewidth=2.5, label="L^CLIP = min(ρ·A, clip(ρ)·A)")
     if advantage > 0:
         ax.axvspan(1 + high, r_max, color="0.85", label="gradient = 0")
     elif advantage < 0:
@@ -84,21 +122,31 @@ def plot_clip_objective(clip_coef: float = 0.2, advantage: float = 1.0, ax=None,
     for x in (1 - clip_coef, 1 + high):
         ax.axvline(x, color="k", linewidth=0.6, linestyle=":")
     ax.axvline(1.0, color="k", linewidth=0.8)
-    ax.set_xlabel("probability ratio  r = π_θ(a|s) / π_old(a|s)")
+    ax.set_xlabel("probability ratio  ρ = π_θ(a|s) / π_old(a|s)")
     ax.set_ylabel("objective (maximised)")
     ax.set_title(f"A = {advantage:+g},  ε = {clip_coef:g}" + (f", ε_high = {high:g}" if clip_coef_high else ""))
-    ax.legend(loc="upper left" if advantage >= 0 else "lower left", fontsize=8)
+    ax.legend(loc="upper left" if advantage >= 0 else "lower left", fontsize=9)
     return ax
 
 
+DIAGNOSTIC_UNITS = {"clip_fraction": "share of samples", "approx_kl": "nats", "update_kl": "nats",
+                    "entropy": "nats", "value_loss": "squared return", "policy_loss": "loss",
+                    "explained_variance": "1 = perfect critic", "learning_rate": "step size"}
+
+
 def plot_training_diagnostics(updates: dict, keys=("clip_fraction", "approx_kl", "entropy", "value_loss"),
-                              x: str = "step", axes=None):
-    """One small panel per diagnostic of a trainer's per-update history, against env steps."""
+                              x: str = "step", axes=None, ncols: int = 2):
+    """One panel per diagnostic of a trainer's per-update history against env steps, ``ncols`` a row."""
     if axes is None:
-        _, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8))
-    for ax, key in zip(np.atleast_1d(axes), keys):
-        ax.plot(updates[x], updates[key], linewidth=1)
+        nrows = -(-len(keys) // ncols)
+        _, axes = plt.subplots(nrows, ncols, figsize=(MAX_FIGURE_WIDTH, 2.9 * nrows), squeeze=False)
+    axes = np.ravel(axes)
+    for ax, key in zip(axes, keys):
+        ax.plot(updates[x], updates[key], linewidth=1.2)
         ax.set_title(key.replace("_", " "))
+        ax.set_ylabel(DIAGNOSTIC_UNITS.get(key, key))
         ax.set_xlabel("env steps")
+    for ax in axes[len(keys):]:
+        ax.set_visible(False)
     plt.tight_layout()
     return axes

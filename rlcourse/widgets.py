@@ -1,8 +1,25 @@
-"""ipywidgets explorers: turn a knob, watch the numbers move."""
+"""ipywidgets explorers: turn a knob, watch the numbers move.
+
+Each explorer is an :class:`Explorer`: displayed, it shows the live sliders and, below them, a
+static picture of its default setting. Sliders need a running kernel; the static picture is saved
+in the notebook, so a reader who has not run it yet (or reads it on GitHub) still sees the plot.
+"""
 from __future__ import annotations
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
+
+
+class Explorer(widgets.interactive):
+    """``ipywidgets.interactive`` that also draws a static figure of its current setting below itself."""
+
+    def _ipython_display_(self, **kwargs):
+        from IPython.display import Markdown, display
+
+        display(self._repr_mimebundle_(), raw=True)
+        setting = ", ".join(f"{w.description} = {w.value:g}" for w in self.kwargs_widgets)
+        display(Markdown(f"*Static picture at {setting} (the sliders above need a running kernel):*"))
+        self.f(**self.kwargs)
 
 from rlcourse import tabular
 from rlcourse.envs import GridWorld
@@ -26,7 +43,7 @@ def gridworld_explorer(layout: str = "4x4", gamma: float = 0.9, slip: float = 0.
                                     f"V*(start)={result.V[start]:.2f}")
         plt.show()
 
-    return widgets.interactive(
+    return Explorer(
         show,
         gamma=widgets.FloatSlider(value=gamma, min=0.0, max=0.99, step=0.01, description="γ"),
         slip=widgets.FloatSlider(value=slip, min=0.0, max=0.6, step=0.05, description="slip"))
@@ -35,9 +52,9 @@ def gridworld_explorer(layout: str = "4x4", gamma: float = 0.9, slip: float = 0.
 def next_token_explorer(model, tokenizer, prompt: str, temperature: float = 1.0, top: int = 12):
     """A temperature slider over a language model's next-token distribution after ``prompt``.
 
-    Bars compare ``softmax(logits / T)`` with the ``T = 1`` policy on the ``top`` most likely
-    tokens; the title gives the entropy at ``T`` and the exact ``KL(pi_T || pi_1)`` next to the
-    mean of the k2 estimator. Lower ``T`` sharpens the policy (entropy falls), higher ``T``
+    Bars compare ``softmax(logits / temp)`` with the ``temp = 1`` policy on the ``top`` most likely
+    tokens; the title gives the entropy at ``temp`` and the exact ``KL(pi_temp || pi_1)`` next to the
+    mean of the k2 estimator. Lower ``temp`` sharpens the policy (entropy falls), higher ``temp``
     flattens it; either way the KL to the ``T = 1`` policy grows, and k2 drifts away from it.
     """
     import numpy as np
@@ -57,25 +74,25 @@ def next_token_explorer(model, tokenizer, prompt: str, temperature: float = 1.0,
 
     def show(temperature: float):
         logp = torch.log_softmax(logits / temperature, -1)
-        fig, ax = plt.subplots(figsize=(7, 3))
+        fig, ax = plt.subplots(figsize=(9, 3.6))
         x = np.arange(len(order))
-        ax.bar(x - 0.2, base.exp()[order].numpy(), width=0.4, label="T = 1", color="#bbbbbb")
-        ax.bar(x + 0.2, logp.exp()[order].numpy(), width=0.4, label=f"T = {temperature:.2f}")
+        ax.bar(x - 0.2, base.exp()[order].numpy(), width=0.4, label="temp = 1", color="#bbbbbb")
+        ax.bar(x + 0.2, logp.exp()[order].numpy(), width=0.4, label=f"temp = {temperature:.2f}")
         ax.set_xticks(x, labels)
         ax.set_ylabel("probability")
-        ax.set_title(f"next token after {prompt!r}: entropy {kl.entropy(logp).item():.3f} nats, "
-                     f"KL(π_T‖π_1) {kl.exact_kl(logp, base).item():.4f}, "
-                     f"E[k2] {(logp.exp() * kl.kl_k2(logp, base)).sum().item():.4f}", fontsize=9)
+        ax.set_title(f"next token after {prompt!r}: entropy {kl.entropy(logp).item():.3f} nats\n"
+                     f"KL(π_temp‖π_1) {kl.exact_kl(logp, base).item():.4f}, "
+                     f"E[k2] {(logp.exp() * kl.kl_k2(logp, base)).sum().item():.4f}", fontsize=12)
         ax.legend()
         plt.show()
 
-    return widgets.interactive(
+    return Explorer(
         show, temperature=widgets.FloatLogSlider(value=temperature, base=10, min=-1, max=0.5, step=0.02,
-                                                 description="T"))
+                                                 description="temp"))
 
 
 def ppo_clip_explorer(clip_coef: float = 0.2, advantage: float = 1.0):
-    """Sliders for ε and the advantage A: PPO's clipped objective against the ratio r.
+    """Sliders for ε and the advantage A: PPO's clipped objective against the ratio ρ.
 
     Flip the sign of A and watch the flat, zero-gradient region move from the right of ``1 + ε``
     to the left of ``1 - ε``; widen ε and the region where the policy keeps learning grows.
@@ -83,11 +100,11 @@ def ppo_clip_explorer(clip_coef: float = 0.2, advantage: float = 1.0):
     from rlcourse.viz import plot_clip_objective
 
     def show(clip_coef: float, advantage: float):
-        fig, ax = plt.subplots(figsize=(6, 3.8))
+        fig, ax = plt.subplots(figsize=(7, 4))
         plot_clip_objective(clip_coef, advantage, ax=ax)
         plt.show()
 
-    return widgets.interactive(
+    return Explorer(
         show,
         clip_coef=widgets.FloatSlider(value=clip_coef, min=0.05, max=0.5, step=0.05, description="ε"),
         advantage=widgets.FloatSlider(value=advantage, min=-5.0, max=5.0, step=0.5, description="A"))
@@ -106,21 +123,23 @@ def gae_explorer(study, gae_lambda: float = 0.9, gamma: float = 0.9):
         lambdas = np.linspace(0, 1, 21)
         curves = study.bias_variance(lambdas, gamma)
         here = study.bias_variance([gae_lambda], gamma)
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
         n = np.arange(1, 16)
         ax1.bar(n, (1 - gae_lambda) * gae_lambda ** (n - 1), color="C0")
         ax1.set_xlabel("n (steps before bootstrapping)")
-        ax1.set_title(f"GAE weights on the n-step advantages, λ={gae_lambda:.2f}")
+        ax1.set_ylabel("weight (1 − λ) λ^(n−1)")
+        ax1.set_title(f"GAE's weights, λ={gae_lambda:.2f}")
         for key, style in (("bias2", "C3"), ("variance", "C2"), ("mse", "k")):
             ax2.plot(lambdas, curves[key], color=style, label=key)
             ax2.plot([gae_lambda], here[key], "o", color=style)
         ax2.set_xlabel("λ")
-        ax2.set_title(f"error of GAE against the exact A (γ={gamma:.2f})")
+        ax2.set_ylabel("squared error of one sample")
+        ax2.set_title(f"GAE vs the exact A (γ={gamma:.2f})")
         ax2.legend()
         plt.tight_layout()
         plt.show()
 
-    return widgets.interactive(
+    return Explorer(
         show,
         gae_lambda=widgets.FloatSlider(value=gae_lambda, min=0.0, max=1.0, step=0.05, description="λ"),
         gamma=widgets.FloatSlider(value=gamma, min=0.5, max=0.99, step=0.01, description="γ"))
@@ -161,7 +180,7 @@ def importance_weight_explorer(mdp, theta, batch, gamma: float, max_delta: float
         ess = rho.sum() ** 2 / (rho ** 2).sum() / len(rho)
         g = (ge.softmax_score_gradients(theta_new, batch, psi) * rho[:, None, None]).mean(0)
         error = ge.relative_error(g, tabular.softmax_policy_gradient(mdp, theta_new, gamma))
-        fig, ax = plt.subplots(figsize=(6, 3))
+        fig, ax = plt.subplots(figsize=(8, 3.4))
         ax.hist(np.log10(rho), bins=60, color="tab:purple")
         ax.set_xlabel(r"$\log_{10} \rho(\tau)$")
         ax.set_ylabel("episodes")
@@ -169,7 +188,7 @@ def importance_weight_explorer(mdp, theta, batch, gamma: float, max_delta: float
                      f"IS gradient off by {100 * error:.1f}%", fontsize=10)
         plt.show()
 
-    return widgets.interactive(show, delta=widgets.FloatSlider(value=1.0, min=0.0, max=max_delta, step=0.25,
+    return Explorer(show, delta=widgets.FloatSlider(value=1.0, min=0.0, max=max_delta, step=0.25,
                                                                description="δ"))
 
 def gradient_estimate_explorer(g_per_episode, exact, n_max: int | None = None, seed: int = 0):
@@ -194,7 +213,7 @@ def gradient_estimate_explorer(g_per_episode, exact, n_max: int | None = None, s
     def show(log2_n: int):
         n = min(2 ** log2_n, n_max)
         estimate = g[order[:n]].mean(0)
-        fig, ax = plt.subplots(figsize=(8, 3))
+        fig, ax = plt.subplots(figsize=(9, 3.4))
         x = np.arange(len(live))
         ax.bar(x - 0.2, exact[live], width=0.4, label="exact", color="k")
         ax.bar(x + 0.2, estimate[live], width=0.4, label=f"mean of {n} episodes", color="tab:orange")
@@ -206,7 +225,7 @@ def gradient_estimate_explorer(g_per_episode, exact, n_max: int | None = None, s
         plt.show()
 
     top = int(np.log2(n_max))
-    return widgets.interactive(show, log2_n=widgets.IntSlider(value=min(6, top), min=0, max=top,
+    return Explorer(show, log2_n=widgets.IntSlider(value=min(6, top), min=0, max=top,
                                                               description="log2 N"))
 # <<< policy-gradient explorers (lessons 02-03)
 
@@ -216,9 +235,9 @@ def kl_estimator_explorer(logits, tokens, mask, t_ref: float = 1.5):
 
     ``logits`` (B, T, V) are the policy's logits at the positions of ``tokens`` (B, T), which were
     sampled from ``softmax(logits)``; ``mask`` (B, T) marks the real tokens. The reference is the
-    same model at temperature ``T_ref``. Each panel shows one estimator's per-token values, the
+    same model at temperature ``temp_ref``. Each panel shows one estimator's per-token values, the
     exact KL (mean of ``KL_t`` over the visited states) and the estimator's sample mean. Push
-    ``T_ref`` above 1 and watch k3's tail stretch to the right while k1 stays put.
+    ``temp_ref`` above 1 and watch k3's tail stretch to the right while k1 stays put.
     """
     import numpy as np
     import torch
@@ -237,7 +256,7 @@ def kl_estimator_explorer(logits, tokens, mask, t_ref: float = 1.5):
         logq_full = torch.log_softmax(logits / t_ref, -1)
         logq = logq_full.gather(-1, tokens.unsqueeze(-1))[..., 0]
         exact = kl.exact_kl(logp_full, logq_full)[keep]
-        fig, axes = plt.subplots(1, 3, figsize=(11, 3), sharey=True)
+        fig, axes = plt.subplots(1, 3, figsize=(10, 3.6), sharey=True)
         for ax, (name, estimator) in zip(axes, kl.KL_ESTIMATORS.items()):
             values = estimator(logp, logq)[keep]
             errors = values - exact
@@ -246,14 +265,14 @@ def kl_estimator_explorer(logits, tokens, mask, t_ref: float = 1.5):
             ax.axvline(exact.mean().item(), color="k", linestyle="--", label="exact KL")
             ax.axvline(values.mean().item(), color="#dd8452", label=f"mean of {name}")
             ax.set_yscale("log")
-            ax.set_title(f"{name}: mean − KL = {errors.mean().item():+.4f} ± {stderr:.4f}", fontsize=9)
+            ax.set_title(f"{name}: mean − KL\n{errors.mean().item():+.4f} ± {stderr:.4f}", fontsize=11)
             ax.set_xlabel("per-token estimate (nats)")
         axes[0].set_ylabel("tokens")
         axes[0].legend(fontsize=8)
-        fig.suptitle(f"reference = policy at T_ref = {t_ref:.2f}: exact KL per token "
-                     f"{exact.mean().item():.4f}", fontsize=10, y=1.06)
+        fig.suptitle(f"reference = policy at temp_ref = {t_ref:.2f}: exact KL per token "
+                     f"{exact.mean().item():.4f}", fontsize=12, y=1.08)
         plt.show()
 
-    return widgets.interactive(
+    return Explorer(
         show, t_ref=widgets.FloatLogSlider(value=t_ref, base=10, min=-0.4, max=0.5, step=0.02,
-                                           description="T_ref"))
+                                           description="temp_ref"))

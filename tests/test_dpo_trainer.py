@@ -8,8 +8,9 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.lm import PreferenceTask, build_char_tokenizer, load_checkpoint, sample, sequence_logprobs
-from rlcourse.lm.dpo import (DPOConfig, encode_preference_pairs, pair_token_logprobs, reward_and_kl,
+from rlcourse.lm.dpo import (DPOConfig, select_pairs, check_preference_pairs, pair_token_logprobs, reward_and_kl,
                              train_dpo)
+from rlcourse.lm.reward_model import encode_preference_pairs
 
 PAIRS = [{"prompt": "ab:", "chosen": "abba", "rejected": "h"},
          {"prompt": "ce:", "chosen": "cd", "rejected": "hgfeh"},
@@ -23,23 +24,24 @@ def checkpoint():
 
 def test_encoding_pads_prompts_left_and_completions_right_with_eos(checkpoint):
     _, tok = checkpoint
-    batch = encode_preference_pairs(tok, PAIRS)
-    assert batch["prompt_ids"].shape == (3, 4)                 # <bos> + 3 characters
-    assert batch["chosen_ids"].shape == batch["rejected_ids"].shape == (3, 6)   # longest: "hgfeh" + <eos>
-    assert batch["chosen_mask"].sum(1).tolist() == [5, 3, 5]
-    for k in ("chosen", "rejected"):
-        ends = batch[f"{k}_mask"].sum(1) - 1
-        assert torch.all(batch[f"{k}_ids"][torch.arange(3), ends] == tok.eos_token_id)
-        assert torch.all(batch[f"{k}_ids"][batch[f"{k}_mask"] == 0] == tok.pad_token_id)
+    batch = select_pairs(encode_preference_pairs(tok, PAIRS), torch.arange(3))
+    assert batch["prompt_ids"].shape == (6, 4)                 # <bos> + 3 characters, chosen then rejected
+    assert batch["completion_ids"].shape == (6, 6)             # longest: "hgfeh" + <eos>
+    assert batch["completion_mask"].sum(1).tolist() == [5, 3, 5, 2, 6, 3]
+    ends = batch["completion_mask"].sum(1) - 1
+    assert torch.all(batch["completion_ids"][torch.arange(6), ends] == tok.eos_token_id)
+    assert torch.all(batch["completion_ids"][batch["completion_mask"] == 0] == tok.pad_token_id)
+    one = select_pairs(encode_preference_pairs(tok, PAIRS), torch.tensor([2]))   # "hhgh" vs "aa": 5 columns
+    assert one["completion_ids"].shape == (2, 5)
 
 
 def test_pair_logprobs_equal_one_pair_at_a_time(checkpoint):
     """Padding (prompt and completion) changes nothing: batched log-probs equal unpadded ones."""
     model, tok = checkpoint
     with torch.no_grad():
-        chosen, rejected = pair_token_logprobs(model, encode_preference_pairs(tok, PAIRS))
+        chosen, rejected = pair_token_logprobs(model, select_pairs(encode_preference_pairs(tok, PAIRS), torch.arange(3)))
         for i, row in enumerate(PAIRS):
-            c1, r1 = pair_token_logprobs(model, encode_preference_pairs(tok, [row]))
+            c1, r1 = pair_token_logprobs(model, select_pairs(encode_preference_pairs(tok, [row]), torch.arange(1)))
             assert torch.allclose(chosen[i].sum(), c1.sum(), atol=1e-5)
             assert torch.allclose(rejected[i].sum(), r1.sum(), atol=1e-5)
 
@@ -49,7 +51,7 @@ def test_pair_logprobs_equal_the_samplers(checkpoint):
     roll = sample(model, tok, ["ab:", "ce:", "hh:"], 8, generator=torch.Generator().manual_seed(0))
     pairs = [{"prompt": p, "chosen": c, "rejected": "a"} for p, c in zip(roll.prompts, roll.completions)]
     with torch.no_grad():
-        chosen, _ = pair_token_logprobs(model, encode_preference_pairs(tok, pairs))
+        chosen, _ = pair_token_logprobs(model, select_pairs(encode_preference_pairs(tok, pairs), torch.arange(3)))
     finished = roll.finished
     assert torch.allclose(chosen.sum(-1)[finished], roll.logprobs.sum(-1)[finished], atol=1e-5)
 
@@ -133,8 +135,30 @@ def test_bad_config_is_named(kwargs, match):
 def test_bad_pairs_are_named(checkpoint):
     _, tok = checkpoint
     with pytest.raises(ValueError, match="non-empty"):
-        encode_preference_pairs(tok, [])
+        check_preference_pairs(tok, [])
     with pytest.raises(ValueError, match=r"pairs\[0\]"):
-        encode_preference_pairs(tok, [{"prompt": "ab:", "chosen": "a"}])
+        check_preference_pairs(tok, [{"prompt": "ab:", "chosen": "a"}])
     with pytest.raises(ValueError, match="outside"):
-        encode_preference_pairs(tok, [{"prompt": "ab:", "chosen": "a", "rejected": "€"}])
+        check_preference_pairs(tok, [{"prompt": "ab:", "chosen": "a", "rejected": "€"}])
+
+
+def test_reward_and_kl_agrees_with_the_plain_log_ratio_estimate(checkpoint):
+    """The chain-rule KL (exact per-token KL summed along samples) and the unbiased sequence
+    log-ratio k1 estimate the same KL(pi || pi_ref): they agree within the latter's noise."""
+    ref, tok = checkpoint
+    policy = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    task = PreferenceTask()
+    prompts = task.test_prompts(64) * 16
+    _, kl = reward_and_kl(policy, ref, tok, task, prompts, generator=torch.Generator().manual_seed(1))
+    roll = sample(policy, tok, prompts, task.max_new_tokens, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref_logps = sequence_logprobs(ref, roll.prompt_ids, roll.completion_ids, roll.completion_mask,
+                                      roll.prompt_mask).sum(-1)
+    k1 = roll.logprobs.sum(-1) - ref_logps
+    stderr = float(k1.std()) / len(prompts) ** 0.5
+    assert kl > 0.05
+    assert abs(kl - float(k1.mean())) < 4 * stderr + 1e-3

@@ -18,7 +18,7 @@ def softmax(x):
 
 # ------------------------------------------------------------------ softmax score
 def score_ok(theta, s, a):
-    g = np.zeros_like(theta)
+    g = np.zeros(np.shape(theta))
     g[s] = -softmax(theta[s])
     g[s, a] += 1
     return g
@@ -94,7 +94,7 @@ def test_reinforce_loss_check(capsys):
 
 @pytest.mark.parametrize("wrong, message", [
     (loss_no_minus, "sign is flipped"), (loss_not_detached, "psi.detach"), (loss_no_mask, "mask"),
-    (loss_token_mean, "number of sequences"), (loss_detached_logprobs, "no gradient"),
+    (loss_token_mean, "number of sequences"), (loss_detached_logprobs, "without a gradient"),
     (loss_numpy, "scalar torch tensor")])
 def test_reinforce_loss_check_catches(wrong, message):
     with pytest.raises(CheckFailed, match=message):

@@ -230,7 +230,7 @@ WRONG = [
     (check_sequence_logprob, seq_sums_vocabulary, "summed"),
     (check_sequence_logprob, seq_counts_prompt, "predicts"),
     (check_sequence_logprob, seq_per_token, "shape"),
-    (check_sequence_logprob, seq_no_grad, "requires grad"),
+    (check_sequence_logprob, seq_no_grad, "grad_fn"),
     (check_token_entropy, entropy_missing_minus, "minus sign"),
     (check_token_entropy, entropy_log_of_softmax, "nan"),
     (check_token_entropy, entropy_no_temperature, "temperature"),

@@ -86,11 +86,11 @@ def test_grade_command_scores_solutions_and_exercises():
                                         capture_output=True, text=True, cwd=ROOT)
     solved = run("solutions/01_gridworld_mdp.ipynb")
     assert solved.returncode == 0, solved.stdout + solved.stderr
-    assert re.search(r"total\s+5 / 5\s+100%", solved.stdout), solved.stdout
+    assert re.search(r"total\s+6 / 6\s+100%", solved.stdout), solved.stdout
     fresh = run("exercises/01_gridworld_mdp.ipynb")
     assert fresh.returncode == 1
-    assert re.search(r"total\s+0 / 5\s+0%", fresh.stdout), fresh.stdout
-    assert "check_discounted_return: NotImplementedError" in fresh.stdout
+    assert re.search(r"total\s+0 / 6\s+0%", fresh.stdout), fresh.stdout
+    assert "check_discounted_return(discounted_return) not implemented: NotImplementedError" in fresh.stdout
 
 
 def test_grade_command_rejects_a_missing_path():

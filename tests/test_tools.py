@@ -48,3 +48,56 @@ def test_percent_format_round_trip():
     assert [c.cell_type for c in nb.cells] == ["markdown", "code"]
     assert nb.cells[0].source == "# Title\n\nSome *prose*."
     assert notebook_to_py(nb) == text
+
+
+def test_make_exercise_records_the_check_cells_and_the_manifests_are_current():
+    from rlcourse.tools import checkcells
+    from rlcourse.tools.make_exercises import ROOT, expected_exercises
+
+    cells = [nbformat.v4.new_code_cell("def g():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION"),
+             nbformat.v4.new_code_cell("check_g(g, n=3)")]
+    ex = make_exercise(nbformat.v4.new_notebook(cells=cells), "nb")
+    (entry,) = ex.metadata.rlcourse.checks
+    assert entry["check"] == "check_g" and entry["args"] == ["g"] and entry["kwargs"] == {"n": "3"}
+    assert entry["sha256"] == checkcells.checksum("check_g(g, n=3)")
+    manifests = {p: t for p, t in expected_exercises().items() if p.suffix == ".json"}
+    assert manifests and all(p.exists() and p.read_text() == t for p, t in manifests.items()), \
+        "rlcourse/grading/manifests is stale: run python -m rlcourse.tools.make_exercises"
+    assert ROOT.joinpath("rlcourse/grading/manifests").is_dir()
+
+
+def test_a_check_cell_must_be_one_call_on_the_learners_function():
+    from rlcourse.tools.checkcells import parse_check_call
+
+    assert parse_check_call("x = 1") is None
+    with pytest.raises(ValueError, match="one call"):
+        parse_check_call("check_g(g)\nprint('done')")
+    with pytest.raises(ValueError, match="by name"):
+        parse_check_call("check_g(lambda x: x)")
+
+
+def test_every_frame_of_the_grading_core_and_lessons_01_07_hides_itself():
+    """IPython and pytest leave out frames that set __tracebackhide__: the learner sees no grader code."""
+    import ast
+    from pathlib import Path
+
+    import rlcourse.grading as grading
+
+    folder = Path(grading.__file__).parent
+    missing = []
+    for path in [folder / "_core.py"] + [folder / f"lesson0{i}.py" for i in range(1, 8)]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_show"):
+                hides = any(isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "__tracebackhide__"
+                            for s in node.body[:3])
+                if not hides and ("check_" in node.name or _can_raise(node)):
+                    missing.append(f"{path.name}:{node.name}")
+    assert not missing, missing
+
+
+def _can_raise(node) -> bool:
+    import ast
+
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("fail", "assert_close",
+               "call_unmutated", "gradient_flowing", "fail_if_mistake") or isinstance(n, ast.Raise)
+               for n in ast.walk(node))

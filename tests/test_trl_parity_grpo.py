@@ -19,7 +19,7 @@ from rlcourse.lm import load_checkpoint, save_checkpoint, sequence_logprobs
 from rlcourse.losses import (LOSS_TYPES, aggregate_loss, group_advantages, leave_one_out_advantages,
                              per_token_loss, rloo_loss)
 
-trl = pytest.importorskip("trl")  # a dependency of the project: never skipped in practice
+import trl  # noqa: E402  (a dependency of the project: these tests never skip)
 from datasets import Dataset  # noqa: E402
 
 PROMPTS = ["12+34=", "56+78=", "90+12=", "33+44="]       # one length: no left padding

@@ -6,17 +6,21 @@ Both start from the ``preference-sft`` checkpoint and use one reward model train
 ``PreferenceTask`` pairs (Bradley-Terry, a few seconds). For each method the benchmark reports the
 gold-score gain over the SFT policy on the 64 held-out prompts, the KL to the reference (PPO:
 ``objective/kl`` of its last batch; best-of-n: ``log n - (n - 1) / n``), the wall time and the peak
-memory (CUDA: ``max_memory_allocated``; CPU: the peak resident set size above the level before
-the method started, sampled every 5 ms). Best-of-n is run at the n whose KL is closest to PPO's
-final KL, and at the n's around it. Samples per answer: PPO 1, best-of-n n.
+memory (each method runs in a fresh worker process; CUDA: ``max_memory_allocated``; CPU: the
+worker's resident set size, sampled every 2 ms, above its level just before the method started).
+Best-of-n runs at the n whose KL is closest to PPO's final KL and at the n's either side of it.
+Samples per answer: PPO 1, best-of-n n.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import multiprocessing
 import os
+import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import rlcourse  # noqa: F401  (before torch)
 import torch
@@ -29,41 +33,83 @@ from rlcourse.lm.value_model import make_value_model
 from rlcourse.runtime import describe, device
 
 
-class PeakMemory:
-    """Peak memory of a block: CUDA allocations, or the process's resident set size on CPU."""
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    def __init__(self, dev):
-        self.dev, self.peak, self._stop = dev, 0, threading.Event()
 
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+class _RSSWatcher:
+    """Peak resident set size of this process while a block runs, sampled every 2 ms (CPU only).
+
+    ``ru_maxrss`` cannot serve: a spawned worker inherits its parent's peak across fork and exec.
+    """
+
+    def __enter__(self):
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
 
     def _watch(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss() - self.base)
-            time.sleep(0.005)
-
-    def __enter__(self):
-        if self.dev.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            self.base = self._rss()
-            self._thread = threading.Thread(target=self._watch, daemon=True)
-            self._thread.start()
-        return self
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.002)
 
     def __exit__(self, *exc):
-        if self.dev.type == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self.base
-        else:
-            self._stop.set()
-            self._thread.join()
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
         return False
+
+
+def _run_method(method: str, n: int, settings: dict, reward_model_path: str) -> dict:
+    """One method in a fresh process, so its peak memory is its own: gold gain, KL, seconds, peak bytes."""
+    torch.set_num_threads(settings["threads"])
+    dev = device()
+    task = PreferenceTask()
+    policy, tokenizer = load_checkpoint("preference-sft", device=dev)
+    torch.manual_seed(0)
+    reward_model = ScalarHeadModel(policy)
+    reward_model.load_state_dict(torch.load(reward_model_path, map_location=dev))
+    reward_model.eval()
+    prompts = task.test_prompts(64)
+    gen = torch.Generator(dev).manual_seed(0)
+
+    def gold_of(model, repeats=4):
+        texts = []
+        for _ in range(repeats):
+            texts += sample(model, tokenizer, prompts, task.max_new_tokens, generator=gen).completions
+        return float(task.gold(prompts * repeats, texts).mean())
+
+    sft_gold = gold_of(policy)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+    watcher = _RSSWatcher().__enter__() if dev.type != "cuda" else None
+    t0 = time.perf_counter()
+    if method == "ppo":
+        torch.manual_seed(0)
+        student = copy.deepcopy(policy)
+        critic = make_value_model("reward", reward_model=reward_model)
+        config = PPOConfig(batch_size=settings["batch"], response_length=task.max_new_tokens,
+                           kl_coef=settings["kl_coef"])
+        trainer = PPORLHFTrainer(config, student, tokenizer, reward_model, critic, task.prompts)
+        trainer.train(settings["iterations"], progress=False)
+        seconds = time.perf_counter() - t0
+        gain, kl_value = gold_of(student) - sft_gold, trainer.history[-1]["objective/kl"]
+    else:
+        out = best_of_n(policy, tokenizer, reward_model, prompts, n, task.max_new_tokens, generator=gen)
+        seconds = time.perf_counter() - t0
+        gain, kl_value = float(task.gold(prompts, out["completions"]).mean()) - sft_gold, best_of_n_kl(n)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        watcher.__exit__(None, None, None)
+        peak = watcher.peak - watcher.base
+    return {"gain": gain, "kl": kl_value, "seconds": seconds, "peak": peak, "sft_gold": sft_gold}
 
 
 def main(argv: list[str]) -> int:
@@ -87,43 +133,23 @@ def main(argv: list[str]) -> int:
     rm = train_reward_model(reward_model, tokenizer, task.preference_pairs(2000, rng=1), steps=args.rm_steps,
                             lr=3e-3, eval_pairs=task.preference_pairs(2000, rng=2), progress=False)
     print(f"reward model: {time.perf_counter() - t0:.1f} s, held-out accuracy {rm['eval']['eval_accuracy']:.3f}")
-    prompts = task.test_prompts(64)
-    gen = torch.Generator(dev).manual_seed(0)
+    settings = {"threads": args.threads, "batch": args.batch, "kl_coef": args.kl_coef, "iterations": args.iterations}
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        path = os.path.join(tmp, "reward_model.pt")   # handed to the workers, deleted at the end
+        torch.save(reward_model.state_dict(), path)
+        rows = [("PPO-RLHF", 1, pool.submit(_run_method, "ppo", 1, settings, path).result())]
+        ns = [2 ** k for k in range(0, 9)]
+        closest = min(range(len(ns)), key=lambda i: abs(best_of_n_kl(ns[i]) - rows[0][2]["kl"]))
+        for n in ns[max(0, closest - 1):closest + 2]:
+            rows.append((f"best-of-{n}", n, pool.submit(_run_method, "bon", n, settings, path).result()))
 
-    def gold_of(model, repeats=4):
-        texts = []
-        for _ in range(repeats):
-            texts += sample(model, tokenizer, prompts, task.max_new_tokens, generator=gen).completions
-        return float(task.gold(prompts * repeats, texts).mean())
-
-    sft_gold = gold_of(policy)
-    rows = []
-    torch.manual_seed(0)
-    student = copy.deepcopy(policy)
-    critic = make_value_model("reward", reward_model=reward_model)
-    config = PPOConfig(batch_size=args.batch, response_length=task.max_new_tokens, kl_coef=args.kl_coef)
-    with PeakMemory(dev) as mem:
-        t0 = time.perf_counter()
-        trainer = PPORLHFTrainer(config, student, tokenizer, reward_model, critic, task.prompts)
-        trainer.train(args.iterations, progress=False)
-        seconds = time.perf_counter() - t0
-    ppo_kl = trainer.history[-1]["objective/kl"]
-    rows.append(("PPO-RLHF", gold_of(student) - sft_gold, ppo_kl, seconds, mem.peak, 1))
-
-    ns = [2 ** k for k in range(0, 9)]
-    closest = min(range(len(ns)), key=lambda i: abs(best_of_n_kl(ns[i]) - ppo_kl))
-    for n in ns[max(0, closest - 1):closest + 2]:
-        with PeakMemory(dev) as mem:
-            t0 = time.perf_counter()
-            out = best_of_n(policy, tokenizer, reward_model, prompts, n, task.max_new_tokens, generator=gen)
-            seconds = time.perf_counter() - t0
-        gain = float(task.gold(prompts, out["completions"]).mean()) - sft_gold
-        rows.append((f"best-of-{n}", gain, best_of_n_kl(n), seconds, mem.peak, n))
-
-    print(f"SFT gold score {sft_gold:+.3f} on {len(prompts)} held-out prompts; PPO: {args.iterations} iterations "
+    print(f"SFT gold score {rows[0][2]['sft_gold']:+.3f} on 64 held-out prompts; PPO: {args.iterations} iterations "
           f"x {args.batch} rollouts, kl_coef={args.kl_coef}")
     print(f"{'method':<12}{'gold gain':>10}{'KL (nats)':>11}{'wall s':>9}{'peak MiB':>10}{'samples/answer':>16}")
-    for name, gain, kl_value, seconds, peak, per_answer in rows:
-        print(f"{name:<12}{gain:>+10.3f}{kl_value:>11.2f}{seconds:>9.2f}{peak / 2**20:>10.1f}{per_answer:>16}")
+    for name, per_answer, r in rows:
+        print(f"{name:<12}{r['gain']:>+10.3f}{r['kl']:>11.2f}{r['seconds']:>9.2f}{r['peak'] / 2**20:>10.1f}"
+              f"{per_answer:>16}")
     print("best-of-n's wall time is for 64 answers; PPO's is training, after which an answer costs one sample.")
+    print("peak MiB: above the worker's level before the method (CPU: resident set; CUDA: allocated).")
     return 0

@@ -3,7 +3,10 @@
 Each check compares the learner's function with the reference in :mod:`rlcourse.lm.logprobs` or
 :mod:`rlcourse.kl` on inputs built to expose one plausible mistake each: a log-softmax summed over
 the vocabulary instead of gathered, logits shifted by one against their targets, padding after
-EOS counted, the temperature forgotten, the KL ratio inverted.
+EOS counted, the temperature forgotten, the KL ratio inverted; and on the families every check
+probes: very large logits and log-probs near -800, boolean masks, inputs written in place (the
+caller's own tensors are compared after the call), and a log-prob whose gradient does not really
+reach the model's weights.
 """
 from __future__ import annotations
 
@@ -12,10 +15,10 @@ import numpy as np
 import torch
 
 from rlcourse import kl
-from rlcourse.grading._core import assert_close, fail, passed, to_numpy
+from rlcourse.grading._core import assert_close, call_unmutated, fail, gradient_flowing, passed, references, to_numpy
 
 __all__ = ["check_gather_token_logprobs", "check_sequence_logprob", "check_token_entropy",
-           "check_kl_k3"]
+           "check_kl_k3", "check_kl_estimators"]
 
 _GATHER_HINT = ("log pi(token) = log_softmax(logits / temperature, dim=-1) gathered at the token "
                 "taken (torch.gather or .gather(-1, tokens.unsqueeze(-1))), then multiplied by the "
@@ -23,6 +26,7 @@ _GATHER_HINT = ("log pi(token) = log_softmax(logits / temperature, dim=-1) gathe
 
 
 def token_logprobs_from_logits(logits, tokens, temperature=1.0):
+    __tracebackhide__ = True
     # Imported on first use: `import rlcourse.grading` should not load transformers for lesson 01.
     from rlcourse.lm.logprobs import token_logprobs_from_logits as reference
 
@@ -40,12 +44,14 @@ def _grad_free(x):
     return x.detach() if hasattr(x, "detach") else x
 
 
+@references("rlcourse.lm.logprobs:token_logprobs_from_logits")
 def check_gather_token_logprobs(fn) -> None:
     """``fn(logits, tokens, mask, temperature) -> (B, T)``: masked log-probs of the tokens taken.
 
     ``logits[:, t]`` (shape (B, T, V)) predicts ``tokens[:, t]``; the result is
     ``log softmax(logits / temperature)[token]`` where ``mask`` is 1 and 0 where it is 0.
     """
+    __tracebackhide__ = True
     name = "check_gather_token_logprobs"
     gen = torch.Generator().manual_seed(70)
     cases = []
@@ -62,13 +68,11 @@ def check_gather_token_logprobs(fn) -> None:
     tokens = logits.argmin(-1)
     cases.append(("very confident logits with unlikely tokens taken (log of softmax underflows)",
                   logits, tokens, torch.ones(2, 4, dtype=torch.long), 1.0))
+    logits = 2 * torch.randn(2, 5, 6, generator=gen)
+    cases.append(("a boolean mask, padding after EOS", logits, torch.randint(0, 6, (2, 5), generator=gen),
+                  _random_mask(gen, 2, 5).bool() | torch.tensor([[True], [False]]), 0.8))
     for case, logits, tokens, mask, temp in cases:
-        before = (logits.clone(), tokens.clone(), mask.clone())
-        got = fn(logits, tokens, mask, temp)
-        if not (torch.equal(before[0], logits) and torch.equal(before[1], tokens)
-                and torch.equal(before[2], mask)):
-            fail(name, case, "inputs left unchanged", "an input tensor was modified in place",
-                 "build new tensors instead of writing into logits, tokens or mask")
+        got = call_unmutated(name, case, fn, logits, tokens, mask, temp)
         expected = token_logprobs_from_logits(logits, tokens, temp) * mask
         hint = _GATHER_HINT
         got_np = to_numpy(_grad_free(got)) if got is not None else None
@@ -118,13 +122,15 @@ def _sequence_cases(seed: int = 71):
     return model, cases
 
 
+@references("rlcourse.lm.logprobs:sequence_logprobs", "rlcourse.lm.logprobs:token_logprobs_from_logits")
 def check_sequence_logprob(fn) -> None:
     """``fn(model, prompt_ids, completion_ids, completion_mask, prompt_mask, temperature) -> (B,)``:
     ``log pi(y | x) = sum_t mask_t log pi(y_t | x, y_<t)``, differentiable."""
+    __tracebackhide__ = True
     name = "check_sequence_logprob"
     model, cases = _sequence_cases()
-    for case, prompt_ids, prompt_mask, completion_ids, completion_mask, temp in cases:
-        got = fn(model, prompt_ids, completion_ids, completion_mask, prompt_mask, temp)
+    for k, (case, prompt_ids, prompt_mask, completion_ids, completion_mask, temp) in enumerate(cases):
+        got = call_unmutated(name, case, fn, model, prompt_ids, completion_ids, completion_mask, prompt_mask, temp)
         from rlcourse.lm.logprobs import sequence_logprobs
 
         with torch.no_grad():
@@ -139,16 +145,24 @@ def check_sequence_logprob(fn) -> None:
             hint = _diagnose_sequence(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                       temp, got_np) or hint
         assert_close(name, case, expected, _grad_free(got), hint=hint, atol=1e-4, rtol=1e-4)
-        if not getattr(got, "requires_grad", False):
-            fail(name, case, "a tensor that requires grad (the policy gradient flows through it)",
-                 f"{type(got).__name__} without a gradient",
-                 "do not wrap the forward pass in torch.no_grad() or call .detach()/.item(): "
-                 "the trainer differentiates this log-prob")
+        weight = model.get_input_embeddings().weight
+        (grad,) = gradient_flowing(name, case, got, [weight],
+                                   "do not wrap the forward pass in torch.no_grad(), call .detach()/.item() or "
+                                   "rebuild the result with torch.tensor(...): the trainer differentiates this log-prob")
+        if k == len(cases) - 1:
+            from rlcourse.lm.logprobs import sequence_logprobs
+
+            reference = sequence_logprobs(model, prompt_ids, completion_ids, completion_mask,
+                                          prompt_mask=prompt_mask, temperature=temp).sum()
+            (want_grad,) = torch.autograd.grad(reference, [weight])
+            assert_close(name, f"{case}: the gradient with respect to the token embeddings", want_grad, grad,
+                         atol=1e-4, rtol=1e-3, hint="the gradient must flow through the model's forward pass")
     passed(name, len(cases))
 
 
 def _diagnose_sequence(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temp, got):
     """Name the mistake when the answer equals a known wrong computation."""
+    __tracebackhide__ = True
     with torch.no_grad():
         ids = torch.cat([prompt_ids, completion_ids], 1)
         attn = torch.cat([prompt_mask, completion_mask], 1)
@@ -178,8 +192,10 @@ def _diagnose_sequence(model, prompt_ids, prompt_mask, completion_ids, completio
     return None
 
 
+@references("rlcourse.kl:entropy")
 def check_token_entropy(fn) -> None:
     """``fn(logits, temperature) -> (B, T)``: entropy of ``softmax(logits / temperature)`` per position."""
+    __tracebackhide__ = True
     name = "check_token_entropy"
     gen = torch.Generator().manual_seed(72)
     V = 9
@@ -190,8 +206,9 @@ def check_token_entropy(fn) -> None:
              ("random logits at temperature 3", 2 * torch.randn(2, 3, V, generator=gen), 3.0),
              ("very confident logits (softmax underflows to exactly 0)", 200 * torch.randn(2, 3, V, generator=gen), 1.0)]
     for case, logits, temp in cases:
-        got = fn(logits.clone(), temp)
-        expected = kl.entropy(torch.log_softmax(logits.double() / temp, -1))
+        logits = logits.clone().requires_grad_(True)
+        got = call_unmutated(name, case, fn, logits, temp)
+        expected = kl.entropy(torch.log_softmax(logits.detach().double() / temp, -1))
         hint = "H = -sum_v p(v) log p(v) with p = softmax(logits / temperature); use log_softmax for log p"
         got_np = to_numpy(_grad_free(got)) if got is not None else None
         if got_np is not None and got_np.shape == tuple(expected.shape):
@@ -201,11 +218,19 @@ def check_token_entropy(fn) -> None:
             elif (got_np < -1e-6).any():
                 hint = "entropy is never negative: H = -sum p log p (mind the minus sign)"
         assert_close(name, case, expected, _grad_free(got), hint=hint, atol=1e-5, rtol=1e-5)
+        (grad,) = gradient_flowing(name, case, got, [logits],
+                                   "an entropy bonus is differentiated: compute it with torch operations on logits")
+        ref = logits.detach().clone().requires_grad_(True)
+        (want_grad,) = torch.autograd.grad(kl.entropy(torch.log_softmax(ref / temp, -1)).sum(), [ref])
+        assert_close(name, f"{case}: the gradient with respect to logits", want_grad, grad, atol=1e-4, rtol=1e-4,
+                     hint="compute H from log_softmax(logits / temperature) without detaching anything")
     passed(name, len(cases))
 
 
+@references("rlcourse.kl:kl_k3")
 def check_kl_k3(fn) -> None:
     """``fn(logp, logq) -> tensor``: ``k3 = (r - 1) - log r`` with ``r = exp(logq - logp)``."""
+    __tracebackhide__ = True
     name = "check_kl_k3"
     gen = torch.Generator().manual_seed(73)
     cases = [("identical policies (k3 = 0)", torch.tensor([-0.5, -2.0]), torch.tensor([-0.5, -2.0])),
@@ -215,10 +240,13 @@ def check_kl_k3(fn) -> None:
         logp = -3 * torch.rand(2, 5, generator=gen, dtype=torch.float64)
         cases.append((f"random log-probs #{i} (shape (2, 5))", logp,
                       logp + 0.8 * torch.randn(2, 5, generator=gen, dtype=torch.float64)))
+    cases.append(("very unlikely tokens (log-probs near -800)", torch.tensor([-800.0, -799.0], dtype=torch.float64),
+                  torch.tensor([-799.5, -800.0], dtype=torch.float64)))
     for case, logp, logq in cases:
-        got = fn(logp.clone(), logq.clone())
+        got = call_unmutated(name, case, fn, logp, logq)
         expected = kl.kl_k3(logp, logq)
-        hint = "k3 = (r - 1) - log r with r = pi_ref / pi_theta = exp(logq - logp); it is never negative"
+        hint = ("k3 = (r - 1) - log r with r = pi_ref / pi_theta = exp(logq - logp) (a difference of logs: "
+                "exp(-800) / exp(-800) is 0/0); it is never negative")
         got_np = to_numpy(_grad_free(got)) if got is not None else None
         if got_np is not None and got_np.shape == tuple(expected.shape):
             if np.allclose(got_np, to_numpy(kl.kl_k3(logq, logp)), atol=1e-7) and not torch.equal(logp, logq):
@@ -228,3 +256,43 @@ def check_kl_k3(fn) -> None:
                 hint = "that is k1 = -log r; k3 adds the zero-mean control variate (r - 1)"
         assert_close(name, case, expected, _grad_free(got), hint=hint, atol=1e-7, rtol=1e-6)
     passed(name, len(cases))
+
+
+@references("rlcourse.kl:kl_k1", "rlcourse.kl:kl_k3", "rlcourse.kl:kl_k2")
+def check_kl_estimators(fn) -> None:
+    """``fn(logits_p, logits_q, n_samples, seed) -> {"k1": (mean, std), "k3": (mean, std)}``: a measurement.
+
+    The experiment: draw ``n_samples`` tokens from ``p = softmax(logits_p)`` (a ``torch.Generator``
+    seeded with ``seed``), evaluate k1 = -log r and k3 = (r - 1) - log r with r = q(x) / p(x) on each,
+    and report each estimator's mean and standard deviation. Both means must estimate the exact
+    KL(p || q) (within 4 standard errors), k3 must spread less than k1 when p and q are close,
+    and no k3 sample is negative.
+    """
+    __tracebackhide__ = True
+    name = "check_kl_estimators"
+    gen = torch.Generator().manual_seed(74)
+    n = 0
+    for scale in (0.1, 0.3):
+        logits_p = torch.randn(50, generator=gen, dtype=torch.float64)
+        logits_q = logits_p + scale * torch.randn(50, generator=gen, dtype=torch.float64)
+        case = f"a 50-token vocabulary, q a perturbation of p (scale {scale}), 20000 samples, seed=0"
+        got = call_unmutated(name, case, fn, logits_p, logits_q, 20000, 0)
+        if not isinstance(got, dict) or not {"k1", "k3"} <= set(got):
+            fail(name, case, 'a dict {"k1": (mean, std), "k3": (mean, std)}', got,
+                 "return the mean and standard deviation of each estimator over the samples")
+        logp, logq = torch.log_softmax(logits_p, -1), torch.log_softmax(logits_q, -1)
+        exact = float((logp.exp() * (logp - logq)).sum())
+        stats = {}
+        for key in ("k1", "k3"):
+            mean, std = (float(to_numpy(v)) for v in got[key])
+            if not (std > 0 and abs(mean - exact) < 4 * std / np.sqrt(20000) + 1e-12):
+                fail(name, f"{case}: the {key} estimate", f"a mean within 4 standard errors of KL = {exact:.5f}",
+                     f"mean {mean:.5f}, std {std:.5f}",
+                     "sample x ~ p with torch.multinomial(p, n, replacement=True, generator=g); r = exp(logq[x] - "
+                     "logp[x]) with log-softmaxed logits; k1 = -log r, k3 = (r - 1) - log r")
+            stats[key] = (mean, std)
+        if not stats["k3"][1] < stats["k1"][1]:
+            fail(name, case, f"k3's std below k1's ({stats['k1'][1]:.5f})", stats["k3"][1],
+                 "k3 adds the control variate (r - 1), which has mean 0 and cancels most of k1's noise")
+        n += 1
+    passed(name, n)

@@ -23,6 +23,12 @@ __all__ = [
     "sample", "save_checkpoint", "sequence_logprobs", "token_logprobs_from_logits", "train_sft",
 ]
 
+# Lessons 09-10: the critic-free policy-gradient trainer and the enumerable policy (exact oracle).
+from rlcourse.lm.exact_oracle import EnumerablePolicy  # noqa: E402
+from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer  # noqa: E402
+
+__all__ += ["EnumerablePolicy", "PolicyGradientConfig", "PolicyGradientTrainer"]
+
 # Lesson 08: reward models, the critic, PPO-RLHF and best-of-n.
 from rlcourse.lm.best_of_n import best_of_n, best_of_n_kl  # noqa: E402
 from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer  # noqa: E402
@@ -31,12 +37,6 @@ from rlcourse.lm.value_model import make_value_model  # noqa: E402
 
 __all__ += ["PPOConfig", "PPORLHFTrainer", "ScalarHeadModel", "best_of_n", "best_of_n_kl", "make_value_model",
             "score_completions", "train_reward_model"]
-
-# Lessons 09-10: the critic-free policy-gradient trainer and the enumerable policy (exact oracle).
-from rlcourse.lm.exact_oracle import EnumerablePolicy  # noqa: E402
-from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer  # noqa: E402
-
-__all__ += ["EnumerablePolicy", "PolicyGradientConfig", "PolicyGradientTrainer"]
 
 # Lesson 11: DPO.
 from rlcourse.lm.dpo import DPOConfig, train_dpo  # noqa: E402

@@ -14,9 +14,10 @@ forward passes and logs what TRL's ``DPOTrainer`` logs, under the same names: ``
 ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``,
 ``logps/chosen``, ``logps/rejected``.
 
-Encoding: ``<bos> prompt`` is left-padded (as the sampler does), each completion is followed by
-``<eos>`` and right-padded, and position ids come from the attention mask, so the log-probs are the
-ones :func:`rlcourse.lm.sample` would give the same tokens.
+Encoding is the reward model's (:func:`rlcourse.lm.reward_model.encode_preference_pairs`, lesson
+08): ``<bos> prompt`` left-padded as the sampler does, each completion followed by ``<eos>`` and
+right-padded, chosen rows then rejected rows; position ids come from the attention mask, so the
+log-probs are the ones :func:`rlcourse.lm.sample` gives the same tokens.
 """
 from __future__ import annotations
 
@@ -31,10 +32,11 @@ from tqdm.auto import tqdm
 from rlcourse.kl import exact_kl
 from rlcourse.losses.dpo import LOSS_TYPES, dpo_implicit_reward, preference_loss
 from rlcourse.lm.logprobs import next_token_logprobs, sequence_logprobs
-from rlcourse.lm.sampling import encode_prompts, sample
+from rlcourse.lm.reward_model import encode_preference_pairs
+from rlcourse.lm.sampling import sample
 from rlcourse.lm.tokenizer import check_encodable
 
-__all__ = ["DPOConfig", "encode_preference_pairs", "pair_token_logprobs", "dpo_metrics", "train_dpo",
+__all__ = ["DPOConfig", "check_preference_pairs", "select_pairs", "pair_token_logprobs", "dpo_metrics", "train_dpo",
            "reward_and_kl"]
 
 
@@ -93,47 +95,36 @@ class DPOConfig:
             raise ValueError("set max_steps > 0 or num_train_epochs > 0")
 
 
-def encode_preference_pairs(tokenizer, pairs: list[dict], device=None) -> dict[str, torch.Tensor]:
-    """Tensors for ``[{"prompt", "chosen", "rejected"}]`` rows (TRL's explicit-prompt format).
-
-    ``prompt_ids``/``prompt_mask`` (B, P) left-padded with ``<bos>``; ``chosen_ids``/``chosen_mask``
-    and ``rejected_ids``/``rejected_mask`` (B, T) right-padded to one width, each ending in ``<eos>``.
-    """
+def check_preference_pairs(tokenizer, pairs: list[dict]) -> None:
+    """Raise a ``ValueError`` naming the first malformed ``{"prompt", "chosen", "rejected"}`` row."""
     if not isinstance(pairs, (list, tuple)) or not pairs:
         raise ValueError("pairs must be a non-empty list of {'prompt', 'chosen', 'rejected'} dicts")
     for i, row in enumerate(pairs):
         if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("prompt", "chosen", "rejected")):
             raise ValueError(f"pairs[{i}] must be a dict with string 'prompt', 'chosen' and 'rejected', got {row!r}")
     check_encodable(tokenizer, [r["prompt"] + r["chosen"] + r["rejected"] for r in pairs], "pairs")
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, [r["prompt"] for r in pairs], device)
-    out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
-    seqs = {k: [tokenizer(r[k], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in pairs]
-            for k in ("chosen", "rejected")}
-    width = max(len(s) for v in seqs.values() for s in v)
-    for k, rows in seqs.items():
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, s in enumerate(rows):
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
-        out[f"{k}_ids"], out[f"{k}_mask"] = ids.to(device), mask.to(device)
-    return out
 
 
-def _rows(batch: dict, idx) -> dict:
-    return {k: v[idx] for k, v in batch.items()}
+def select_pairs(data: dict, idx: torch.Tensor) -> dict:
+    """Pairs ``idx`` of :func:`rlcourse.lm.reward_model.encode_preference_pairs`' layout (all chosen
+    rows, then all rejected rows), in the same layout, with the columns that are all padding dropped."""
+    n = data["prompt_ids"].shape[0] // 2
+    both = torch.cat([idx, idx + n])
+    batch = {k: v[both] for k, v in data.items()}
+    keep_prompt, keep_completion = batch["prompt_mask"].any(0), batch["completion_mask"].any(0)
+    for k, keep in (("prompt_ids", keep_prompt), ("prompt_mask", keep_prompt),
+                    ("completion_ids", keep_completion), ("completion_mask", keep_completion)):
+        batch[k] = batch[k][:, keep]
+    return batch
 
 
 def pair_token_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs (B, T) of the chosen and of the rejected completions, 0 on padding.
 
-    One forward over ``[chosen; rejected]`` stacked on the batch axis (as TRL does).
+    One forward over the stacked ``[chosen; rejected]`` rows (as TRL does).
     """
-    prompt_ids = torch.cat([batch["prompt_ids"]] * 2)
-    prompt_mask = torch.cat([batch["prompt_mask"]] * 2)
-    completion_ids = torch.cat([batch["chosen_ids"], batch["rejected_ids"]])
-    completion_mask = torch.cat([batch["chosen_mask"], batch["rejected_mask"]])
-    logp = sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, prompt_mask)
+    logp = sequence_logprobs(model, batch["prompt_ids"], batch["completion_ids"], batch["completion_mask"],
+                             batch["prompt_mask"])
     return logp.chunk(2, dim=0)
 
 
@@ -153,9 +144,10 @@ def dpo_metrics(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_log
 def _reference_logps(ref_model, batch: dict, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence log-probs (B,) of chosen and rejected under the reference, in chunks."""
     chosen, rejected = [], []
-    n = batch["prompt_ids"].shape[0]
+    n = batch["prompt_ids"].shape[0] // 2
     for i in range(0, n, batch_size):
-        c, r = pair_token_logprobs(ref_model, _rows(batch, slice(i, i + batch_size)))
+        rows = torch.arange(i, min(i + batch_size, n), device=batch["prompt_ids"].device)
+        c, r = pair_token_logprobs(ref_model, select_pairs(batch, rows))
         chosen.append(c.sum(-1))
         rejected.append(r.sum(-1))
     return torch.cat(chosen), torch.cat(rejected)
@@ -173,8 +165,9 @@ def train_dpo(model, tokenizer, pairs: list[dict], args: DPOConfig | None = None
     """
     args = args or DPOConfig()
     dev = next(model.parameters()).device
-    data = encode_preference_pairs(tokenizer, pairs, dev)
-    n = data["prompt_ids"].shape[0]
+    check_preference_pairs(tokenizer, pairs)
+    data = encode_preference_pairs(tokenizer, pairs, dev)   # lesson 08's layout: chosen rows, then rejected
+    n = len(pairs)
     bs = args.per_device_train_batch_size
     steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * math.ceil(n / bs))
     if ref_model is None:
@@ -201,14 +194,8 @@ def train_dpo(model, tokenizer, pairs: list[dict], args: DPOConfig | None = None
         if order.numel() == 0:  # a new epoch: a fresh shuffle of the pairs
             order = torch.randperm(n, generator=gen)
         idx, order = order[:bs].to(dev), order[bs:]
-        batch = _rows(data, idx)
-        # Drop columns that are padding in every row of this batch: a shorter forward, same numbers.
-        batch["prompt_ids"], batch["prompt_mask"] = (t[:, batch["prompt_mask"].any(0)] for t in
-                                                      (batch["prompt_ids"], batch["prompt_mask"]))
-        width = int(torch.maximum(batch["chosen_mask"].sum(1), batch["rejected_mask"].sum(1)).max())
-        for k in ("chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"):
-            batch[k] = batch[k][:, :width]
-
+        batch = select_pairs(data, idx)   # padding-only columns dropped: a shorter forward, same numbers
+        chosen_mask, rejected_mask = batch["completion_mask"].chunk(2, dim=0)
         chosen_tok, rejected_tok = pair_token_logprobs(model, batch)
         chosen_logps, rejected_logps = chosen_tok.sum(-1), rejected_tok.sum(-1)
         if ref_table is not None:
@@ -218,9 +205,8 @@ def train_dpo(model, tokenizer, pairs: list[dict], args: DPOConfig | None = None
         loss = preference_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, beta=args.beta,
                                loss_type=args.loss_types, loss_weights=args.loss_weights,
                                label_smoothing=args.label_smoothing,
-                               chosen_lengths=batch["chosen_mask"].sum(1),
-                               rejected_lengths=batch["rejected_mask"].sum(1),
-                               chosen_token_logps=chosen_tok, chosen_mask=batch["chosen_mask"])
+                               chosen_lengths=chosen_mask.sum(1), rejected_lengths=rejected_mask.sum(1),
+                               chosen_token_logps=chosen_tok, chosen_mask=chosen_mask)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"DPO loss is {loss.item()} at step {step}: lower learning_rate or check the data")
         opt.zero_grad(set_to_none=True)

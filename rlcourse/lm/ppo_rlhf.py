@@ -21,7 +21,7 @@ Each step is a method of :class:`PPORLHFTrainer`, so a lesson can override one t
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -275,6 +275,3 @@ class PPORLHFTrainer:
                 shown["gold"] = row["gold/scores"]
             bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items()})
         return self.history
-
-    def settings(self) -> dict:
-        return asdict(self.config)

@@ -71,13 +71,13 @@ def group_advantages(rewards, num_generations: int, scale_rewards: str = "group"
 
     with ``mean_g`` the mean of the ``K = num_generations`` rewards of completion ``i``'s group,
     and ``std`` (with Bessel's correction, as TRL computes it) taken over the group
-    (``scale_rewards="group"``), over the whole batch (``"batch"``, Liu et al. 2025's suggestion
-    to keep the group mean but not the per-group scale) or not at all (``"none"``: Dr. GRPO,
+    (``scale_rewards="group"``), over the whole batch (``"batch"``: the group mean is kept, one
+    scale is shared by all prompts) or not at all (``"none"``: Dr. GRPO,
     arXiv 2503.20783, which only centres).
 
     ``std_floor`` is added to the denominator (TRL adds ``1e-4``). Without it a group whose
-    rewards differ only by float leftovers (``0.3`` sixteen times, one of them computed as
-    ``0.1 + 0.2``) has a std of ~1e-8 and its advantages blow up to about +-1. A group whose
+    rewards differ only by float leftovers (``0.3`` sixteen times, one of them a rounding step
+    higher) has a std of ~1e-8 and its advantages blow up to order 1. A group whose
     rewards are *exactly* equal gets exactly 0 here, whatever the dtype: where TRL's mean leaves a
     rounding residue (``(r - mean) / 1e-4`` of order 1e-4), ours does not. With rewards like 0/1
     the two agree bit for bit.
@@ -188,7 +188,7 @@ def per_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     * ``cispo`` (MiniMax-M1, arXiv 2506.13585): ``-stopgrad(min(w, epsilon_high)) A log pi``:
       the ratio is clipped *and detached*, so every token keeps a REINFORCE gradient, only
       reweighted; as in TRL, ``epsilon_high`` is here the absolute cap on ``w`` (e.g. 5.0);
-    * ``sapo`` (Soft Adaptive Policy Optimization, Gao et al., 2025, arXiv 2511.20347): a smooth
+    * ``sapo`` (Soft Adaptive Policy Optimization, arXiv 2511.20347): a smooth
       gate instead of a hard clip, ``-(4 / tau) sigmoid(tau (w - 1)) A``, with
       ``tau = sapo_temperature_pos`` where ``A > 0`` and ``sapo_temperature_neg`` elsewhere; its
       gradient ``sigma'(tau(w-1)) * 4 * w * grad log pi`` equals the plain one at ``w = 1`` and fades

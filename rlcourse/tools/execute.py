@@ -16,16 +16,24 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+# The kernel `make env` installs into the virtualenv (Makefile: ipykernel install --name ...
+# --display-name ...). Committed notebooks carry exactly this kernelspec, so opening one in
+# JupyterLab neither marks it modified nor rewrites its metadata on autosave.
+KERNEL_NAME = "python3"
+KERNEL_DISPLAY_NAME = "Python 3 (rlcourse)"
+KERNELSPEC = {"name": KERNEL_NAME, "display_name": KERNEL_DISPLAY_NAME, "language": "python"}
+
 
 def execute(path: Path, timeout: int = 600) -> float:
     """Run one notebook top to bottom, write it back with outputs, return the seconds it took."""
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
-    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+    NotebookClient(nb, timeout=timeout, kernel_name=KERNEL_NAME,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     seconds = time.perf_counter() - start
     for cell in nb.cells:
         cell.metadata.pop("execution", None)  # per-run timestamps would churn every diff
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
     nbformat.write(nb, path)
     with open(path, "a") as f:
         f.write("\n")

@@ -1,29 +1,84 @@
-"""Grade exercise notebooks: ``python -m rlcourse grade [PATH ...]``.
+"""Grade exercise notebooks: ``python -m rlcourse grade [PATH ...] [--csv OUT.csv]``.
 
-Each notebook is run with nbval (``pytest --nbval-lax``) in a fresh kernel, exactly as
-``pytest --nbval-lax exercises/01_gridworld_mdp.ipynb`` would. The score of a notebook is the
-number of check cells (cells calling a ``check_*`` function) that passed, out of all of them.
+PATH is a notebook, a folder of notebooks, or a class folder (one sub-folder of notebooks per
+learner); the default is ``exercises/``. ``--csv OUT.csv`` writes one row per learner and one
+column per check; ``--manifests DIR`` grades against the check manifests in DIR instead of the
+ones shipped with rlcourse (for an instructor's own exercises). Grading reads the notebook *file*:
+save it first.
 
-Grading reads the notebook *file*: save it in JupyterLab (Ctrl-S) before you grade.
+How a notebook is graded, so that the score can be trusted:
+
+1. its code cells are compared with the manifest of its check cells written when the exercises
+   were generated (:mod:`rlcourse.tools.checkcells`): a check cell missing, edited or moved, a
+   ``check_*`` redefined, or the grader patched, is reported as *tampered*;
+2. the notebook runs top to bottom in a fresh kernel; at each check cell, instead of running the
+   cell, the kernel hands over the learner's function as it is at that point (cloudpickle);
+3. a separate clean process (:mod:`rlcourse.tools.grade_runner`) calls ``rlcourse.grading``'s own
+   check on it and flags an answer that is, copies or calls the reference implementation.
+
+The exit status is 0 only when every check of every notebook passed, untampered, with no cell
+failing.
 """
 from __future__ import annotations
 
+import ast
+import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import nbformat
 
-def notebooks_in(paths: list[str]) -> list[Path]:
+from rlcourse.tools import checkcells
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass
+class CheckRow:
+    check: str
+    function: str
+    outcome: str = "not run"     # passed, failed, error, not implemented, reference, tampered, not run
+    message: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.check}({self.function})"
+
+
+@dataclass
+class NotebookGrade:
+    path: Path
+    rows: list[CheckRow] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)   # notebook-level tampering or failing cells
+
+    @property
+    def passed(self) -> int:
+        return sum(r.outcome == "passed" for r in self.rows)
+
+    @property
+    def clean(self) -> bool:
+        return not self.problems and all(r.outcome == "passed" for r in self.rows)
+
+
+def notebooks_in(paths: list[str]) -> list[tuple[str, Path]]:
+    """``(learner, notebook)`` pairs; the learner is the sub-folder's name in a class folder, else ''."""
     found = []
     for name in paths:
         path = Path(name)
         if path.is_dir():
-            found += sorted(p for p in path.glob("*.ipynb") if not p.name.startswith("."))
+            own = sorted(p for p in path.glob("*.ipynb") if not p.name.startswith("."))
+            found += [("", p) for p in own]
+            if not own:
+                for sub in sorted(d for d in path.iterdir() if d.is_dir() and not d.name.startswith(".")):
+                    found += [(sub.name, p) for p in sorted(sub.glob("*.ipynb")) if not p.name.startswith(".")]
         elif path.suffix == ".ipynb" and path.exists():
-            found.append(path)
+            found.append(("", path))
         else:
             raise SystemExit(f"grade: {name!r} is neither a folder nor an existing .ipynb file")
     if not found:
@@ -31,42 +86,182 @@ def notebooks_in(paths: list[str]) -> list[Path]:
     return found
 
 
-def grade_notebook(path: Path) -> list[dict]:
-    """Run nbval on one notebook; return one record per cell (see ``grade_plugin``)."""
+def _where(nb, index: int) -> str:
+    """Name a cell as the learner sees it: the function it defines or the heading above it."""
+    source = nb.cells[index].source
+    try:
+        defs = [n.name for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    except SyntaxError:
+        defs = []
+    if defs:
+        return f"the cell defining `{defs[0]}`"
+    for cell in reversed(nb.cells[:index]):
+        if cell.cell_type == "markdown":
+            heading = next((line.lstrip("# ").strip() for line in cell.source.splitlines() if line.startswith("#")), None)
+            if heading:
+                return f"a cell under '{heading}'"
+    return "a cell near the top"
+
+
+def _capture_code(entry: dict, path: Path) -> str:
+    args = ", ".join(entry["args"]) + ("," if len(entry["args"]) == 1 else "")
+    kwargs = ", ".join(f"{k!r}: {v}" for k, v in entry["kwargs"].items())
+    return (f"with __import__('builtins').open({str(path)!r}, 'wb') as __rlcourse_f:\n"
+            f"    __import__('cloudpickle').dump((({args}), {{{kwargs}}}), __rlcourse_f)\n"
+            f"del __rlcourse_f")
+
+
+def _error_of(outputs) -> str | None:
+    for out in outputs:
+        if out.get("output_type") == "error":
+            return f"{out['ename']}: {_ANSI.sub('', out['evalue'])}"[:300]
+    return None
+
+
+def _manifest_for(path: Path, nb, manifests: Path | None):
+    entries = checkcells.shipped_manifest(path.name, manifests or checkcells.MANIFESTS)
+    if entries is not None:
+        return entries, None
+    embedded = nb.metadata.get("rlcourse", {}).get("checks")
+    if embedded:
+        return embedded, None
+    return None, f"{path.name} is not a notebook of this course (no manifest of its check cells)"
+
+
+def grade_notebook(path: Path, manifests: Path | None = None, timeout: int = 600) -> NotebookGrade:
+    from nbclient import NotebookClient
+
+    grade = NotebookGrade(path)
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as e:  # not JSON, not a notebook
+        grade.problems.append(f"cannot read the notebook: {type(e).__name__}: {e}"[:200])
+        return grade
+    manifest, missing = _manifest_for(path, nb, manifests)
+    if manifest is None:
+        grade.problems.append(missing)
+        return grade
+    audit = checkcells.audit(nb, manifest)
+    grade.rows = [CheckRow(e["check"], e["function"]) for e in manifest]
+    for k, why in audit.problems.items():
+        grade.rows[k].outcome, grade.rows[k].message = "tampered", why
+    grade.problems += [f"tampered: {p}" for p in audit.notebook_problems]
+    at_cell = {c: k for k, c in enumerate(audit.cells) if c is not None and k not in audit.problems}
+    tampered_cells = {c for k, c in enumerate(audit.cells) if c is not None and k in audit.problems}
+
     with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        env = dict(os.environ, RLCOURSE_GRADE_REPORT=str(report))
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env",
-                        "-p", "rlcourse.tools.grade_plugin", "-p", "no:cacheprovider", "-q",
-                        "--no-header", "-o", "addopts=", str(path)],
-                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-        if not report.exists():
-            return [{"file": str(path), "cell": -1, "label": "notebook", "is_check": True, "outcome": "failed",
-                     "error": "pytest/nbval could not run this notebook (is it valid JSON?)"}]
-        return json.loads(report.read_text())
+        tmp = Path(tmp)
+        captures, i = [], 0
+        client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                                resources={"metadata": {"path": str(path.parent.resolve())}})
+        try:
+            with client.setup_kernel(stderr=subprocess.DEVNULL):   # the kernel's own log lines, not the learner's output
+                for i, cell in enumerate(nb.cells):
+                    if cell.cell_type != "code" or i in tampered_cells:
+                        continue
+                    if i in at_cell:
+                        k = at_cell[i]
+                        file = tmp / f"check{k}.pkl"
+                        probe = nbformat.v4.new_code_cell(_capture_code(manifest[k], file))
+                        client.execute_cell(probe, i)
+                        error = _error_of(probe.outputs)
+                        if error:
+                            grade.rows[k].outcome = "error"
+                            grade.rows[k].message = (f"`{manifest[k]['function']}` is not defined when its check cell runs"
+                                                     if error.startswith("NameError") else
+                                                     f"the function could not be handed to the grader: {error}")
+                        else:
+                            captures.append({"index": k, "check": manifest[k]["check"], "file": str(file)})
+                    else:
+                        client.execute_cell(cell, i)
+                        error = _error_of(cell.outputs)
+                        if error:
+                            grade.problems.append(f"{_where(nb, i)} raised {error}")
+        except Exception as e:  # a cell ran past the time limit, or the kernel died: grade what was handed over
+            first = (str(e).splitlines() or [""])[0]
+            grade.problems.append(f"the notebook stopped at {_where(nb, i)}: {type(e).__name__}: {first}"[:300])
+        if captures:
+            (tmp / "captures.json").write_text(json.dumps(captures))
+            env = dict(os.environ)
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            try:
+                subprocess.run([sys.executable, "-m", "rlcourse.tools.grade_runner", str(tmp)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, timeout=timeout * 4)
+            except subprocess.TimeoutExpired:
+                grade.problems.append(f"the checks ran past {timeout * 4} s")
+            results = json.loads((tmp / "results.json").read_text()) if (tmp / "results.json").exists() else {}
+            for capture in captures:
+                row = grade.rows[capture["index"]]
+                result = results.get(str(capture["index"]),
+                                     {"outcome": "error", "message": "the check crashed or ran out of time"})
+                row.outcome, row.message = result["outcome"], result["message"]
+    return grade
+
+
+def _first_line(message: str) -> str:
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return " / ".join(lines[:4])[:240]
+
+
+def print_table(grades: list[tuple[str, NotebookGrade]]) -> None:
+    names = [f"{who}/{g.path.name}" if who else str(g.path) for who, g in grades]
+    width = max(len(n) for n in names + ["notebook"])
+    print(f"{'notebook':<{width}}  checks   score")
+    total_passed = total = 0
+    for name, (_, g) in zip(names, grades):
+        n = len(g.rows)
+        score = 100 * g.passed / n if n else 0.0
+        status = "" if g.clean else ("  TAMPERED" if any(r.outcome == "tampered" for r in g.rows)
+                                      or any(p.startswith("tampered") for p in g.problems) else "")
+        print(f"{name:<{width}}  {g.passed:>2} / {n:<2}  {score:5.0f}%{status}")
+        for r in g.rows:
+            if r.outcome != "passed":
+                print(f"{'':<{width}}    {r.label} {r.outcome}: {_first_line(r.message)}")
+        for p in g.problems:
+            print(f"{'':<{width}}    {p}")
+        total_passed, total = total_passed + g.passed, total + n
+    print(f"{'total':<{width}}  {total_passed:>2} / {total:<2}  {100 * total_passed / max(total, 1):5.0f}%")
+
+
+def write_csv(grades: list[tuple[str, NotebookGrade]], out: Path) -> None:
+    """One row per learner, one column per check (``NN_topic:check_name``): the outcome of each."""
+    columns, table, notes = [], {}, {}
+    for who, g in grades:
+        for r in g.rows:
+            column = f"{g.path.stem}:{r.check}"
+            if column not in columns:
+                columns.append(column)
+            table.setdefault(who, {})[column] = r.outcome
+        notes.setdefault(who, []).extend(f"{g.path.stem}: {p}" for p in g.problems)
+        notes[who] += [f"{g.path.stem}:{r.check}: {_first_line(r.message)}" for r in g.rows
+                       if r.outcome in ("tampered", "reference")]
+    with open(out, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["learner", *columns, "passed", "total", "notes"])
+        for who, outcomes in table.items():
+            row = [outcomes.get(c, "missing") for c in columns]
+            writer.writerow([who, *row, row.count("passed"), len(columns), "; ".join(notes[who])])
+
+
+def _option(argv: list[str], flag: str) -> Path | None:
+    if flag not in argv:
+        return None
+    i = argv.index(flag)
+    if i + 1 >= len(argv):
+        raise SystemExit(f"grade: {flag} needs a path")
+    value = Path(argv[i + 1])
+    del argv[i:i + 2]
+    return value
 
 
 def main(argv: list[str]) -> int:
-    paths = notebooks_in(argv or ["exercises"])
-    rows, all_passed = [], True
-    for path in paths:
-        records = grade_notebook(path)
-        checks = [r for r in records if r["is_check"]]
-        passed = sum(r["outcome"] == "passed" for r in checks)
-        other_failures = [r for r in records if not r["is_check"] and r["outcome"] == "failed"]
-        all_passed &= passed == len(checks) and not other_failures
-        rows.append((path, passed, len(checks), checks, other_failures))
-
-    width = max(len(str(p)) for p, *_ in rows)
-    print(f"{'notebook':<{width}}  checks   score")
-    total_passed = total = 0
-    for path, passed, n, checks, other in rows:
-        score = 100 * passed / n if n else 100.0
-        print(f"{str(path):<{width}}  {passed:>2} / {n:<2}  {score:5.0f}%")
-        for r in checks + other:
-            if r["outcome"] != "passed":
-                print(f"{'':<{width}}    {r['label']}: {r['error'] or r['outcome']}")
-        total_passed, total = total_passed + passed, total + n
-    print(f"{'total':<{width}}  {total_passed:>2} / {total:<2}  {100 * total_passed / max(total, 1):5.0f}%")
-    return 0 if all_passed else 1
+    """``grade [PATH ...] [--csv OUT.csv] [--manifests DIR]`` (DIR: manifests of your own exercises)."""
+    argv = list(argv)
+    out = _option(argv, "--csv")
+    manifests = _option(argv, "--manifests")
+    grades = [(who, grade_notebook(path, manifests)) for who, path in notebooks_in(argv or ["exercises"])]
+    print_table(grades)
+    if out is not None:
+        write_csv(grades, out)
+        print(f"wrote {out}")
+    return 0 if all(g.clean for _, g in grades) else 1

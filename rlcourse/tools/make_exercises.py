@@ -2,7 +2,10 @@
 
 Every region between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` (nbgrader's markers) is
 replaced by a stub that raises ``NotImplementedError`` naming the function to write, and all
-outputs are stripped. ``exercises/`` is generated: never edit it by hand; run
+outputs are stripped. The check cells (``check_<name>(<name>)``) are recorded with their checksums in
+the exercise's metadata and in ``rlcourse/grading/manifests/NN_*.json``, the record that
+``python -m rlcourse grade`` compares notebooks with (see :mod:`rlcourse.tools.checkcells`).
+``exercises/`` is generated: never edit it by hand; run
 ``python -m rlcourse.tools.make_exercises`` (or ``make exercises``) after changing a solution.
 """
 from __future__ import annotations
@@ -12,6 +15,8 @@ import sys
 from pathlib import Path
 
 import nbformat
+
+from rlcourse.tools import checkcells
 
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
@@ -61,7 +66,8 @@ def make_exercise(solution: nbformat.NotebookNode, name: str) -> nbformat.Notebo
         raise ValueError(f"{name}: no '{BEGIN}' regions: nothing for the learner to do")
     # Only stable metadata: executing the solution (kernel version, widget state) must not make
     # the exercise look stale.
-    nb.metadata = nbformat.from_dict({"kernelspec": KERNELSPEC, "language_info": {"name": "python"}})
+    nb.metadata = nbformat.from_dict({"kernelspec": KERNELSPEC, "language_info": {"name": "python"},
+                                      "rlcourse": {"checks": checkcells.manifest_of(nb)}})
     return nb
 
 
@@ -71,18 +77,20 @@ def render(nb: nbformat.NotebookNode) -> str:
 
 
 def expected_exercises(root: Path = ROOT) -> dict[Path, str]:
-    """Map each exercise path to the text it should have, from the current solutions."""
+    """Map each exercise path and each check manifest to the text it should have, from the solutions."""
     result = {}
+    manifests = root / checkcells.MANIFESTS.relative_to(ROOT)
     for path in sorted((root / "solutions").glob("[0-9][0-9]_*.ipynb")):
         nb = make_exercise(nbformat.read(path, as_version=4), path.name)
         result[root / "exercises" / path.name] = render(nb)
+        result[manifests / (path.stem + ".json")] = checkcells.render_manifest(path.name, nb.metadata.rlcourse.checks)
     return result
 
 
 def main(argv=None) -> int:
     root = Path(argv[0]).resolve() if argv else ROOT
     for path, text in expected_exercises(root).items():
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
             print(f"wrote {path.relative_to(root)}")
