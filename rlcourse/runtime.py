@@ -91,3 +91,17 @@ def describe() -> str:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
     return (f"device={name} threads={torch.get_num_threads()} profile={profile()} "
             f"torch={torch.__version__}")
+
+
+def close_progress(bar, note: str = "stopped early: target reached") -> None:
+    """Close a tqdm bar; a run that stopped before its budget closes as finished, not as failed.
+
+    In JupyterLab, tqdm paints a bar closed short of its total red, which reads as an error. A
+    trainer that stops because it solved the task sets the total to what was done, says why in
+    the description, and the bar ends green and full.
+    """
+    if bar.total and bar.n < bar.total:
+        bar.total = bar.n
+        bar.set_description_str(f"{bar.desc} ({note})", refresh=False)
+        bar.refresh()
+    bar.close()

@@ -26,7 +26,7 @@ from torch import nn
 import rlcourse  # noqa: F401  (registers the course's envs)
 from rlcourse import kl, losses, returns
 from rlcourse.classic.policies import mlp
-from rlcourse.runtime import seed_everything
+from rlcourse.runtime import close_progress, seed_everything
 
 
 class ActorCritic(nn.Module):
@@ -262,5 +262,5 @@ def train_actor_critic(env_id: str = "CartPole-v1", *, total_timesteps: int = 10
         if solved(collector.episodes, target_return, target_window):
             solved_at = collector.global_step
             break
-    bar.close()
+    close_progress(bar)
     return collector.result(agent, updates, solved_at)

@@ -37,7 +37,7 @@ import torch
 from rlcourse import kl, losses, returns
 from rlcourse.classic.actor_critic import (ActorCritic, RolloutCollector, TrainResult, clip_gradients,
                                            make_vector_env, solved)
-from rlcourse.runtime import seed_everything
+from rlcourse.runtime import close_progress, seed_everything
 
 
 @dataclass
@@ -146,7 +146,7 @@ def train_ppo(config: PPOConfig | None = None, *, progress: bool = True, **overr
         if solved(collector.episodes, cfg.target_return, cfg.target_window):
             solved_at = collector.global_step
             break
-    bar.close()
+    close_progress(bar)
     return collector.result(agent, history, solved_at)
 
 

@@ -35,7 +35,7 @@ import rlcourse  # noqa: F401  (registers rlcourse/GridWorld-v0)
 from rlcourse import losses, returns
 from rlcourse.classic.baselines import batch_mean_baseline, moving_average_baselines
 from rlcourse.classic.policies import make_policy, make_value
-from rlcourse.runtime import seed_everything
+from rlcourse.runtime import close_progress, seed_everything
 
 PSI_KINDS = ("total_return", "reward_to_go")
 BASELINES = ("none", "batch_mean", "moving_average", "value")
@@ -221,7 +221,7 @@ def train_reinforce(env_id: str = "CartPole-v1", *, episodes: int = 1000, batch_
                 and recent >= target_return):
             history.solved_at_episode = len(history.episode_returns)
             break
-    bar.close()
+    close_progress(bar)
     envs.close()
     history.seconds = time.perf_counter() - start
     return ReinforceResult(policy=policy, value=value, history=history)

@@ -33,7 +33,7 @@ import torch
 
 from rlcourse import kl, losses, returns, tabular
 from rlcourse.classic.actor_critic import ActorCritic, RolloutCollector, TrainResult, make_vector_env, solved
-from rlcourse.runtime import seed_everything
+from rlcourse.runtime import close_progress, seed_everything
 
 
 # ---------------------------------------------------------------------------------- flat parameters
@@ -241,7 +241,7 @@ def train_trpo(env_id: str = "CartPole-v1", *, total_timesteps: int = 50_000, nu
         if solved(collector.episodes, target_return, target_window):
             solved_at = collector.global_step
             break
-    bar.close()
+    close_progress(bar)
     return collector.result(agent, updates, solved_at)
 
 

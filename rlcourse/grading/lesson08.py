@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy
+from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy, references
 
 __all__ = ["check_bradley_terry_loss", "check_score_at_last_token", "check_kl_shaped_rewards",
            "check_token_gae", "check_eos_experiment"]
@@ -29,8 +29,10 @@ def _unchanged(name, case, before, after):
                  "build new tensors (e.g. x.clone()) instead of writing into an argument")
 
 
+@references("rlcourse.losses.reward_model:bradley_terry_loss")
 def check_bradley_terry_loss(fn) -> None:
     """``fn(rewards_chosen, rewards_rejected, margin=None) -> scalar``: ``-mean log sigmoid(r_w - r_l - m)``."""
+    __tracebackhide__ = True
     from rlcourse.losses import bradley_terry_loss as reference
 
     name = "check_bradley_terry_loss"
@@ -77,8 +79,10 @@ def _mask_cases(gen):
             ("masks with holes inside a row", holes)]
 
 
+@references("rlcourse.lm.reward_model:score_at_last_token")
 def check_score_at_last_token(fn) -> None:
     """``fn(values, mask) -> (B,)``: ``values[b, t_b]`` with ``t_b`` the last position where ``mask[b]`` is 1."""
+    __tracebackhide__ = True
     from rlcourse.lm.reward_model import score_at_last_token as reference
 
     name = "check_score_at_last_token"
@@ -104,8 +108,10 @@ def check_score_at_last_token(fn) -> None:
     passed(name, len(cases))
 
 
+@references("rlcourse.lm.ppo_rlhf:kl_shaped_rewards")
 def check_kl_shaped_rewards(fn) -> None:
     """``fn(scores, logprobs, ref_logprobs, mask, kl_coef) -> (B, T)``: ``-kl_coef * k1_t`` plus the score at the last real token."""
+    __tracebackhide__ = True
     from rlcourse.lm.ppo_rlhf import kl_shaped_rewards as reference
 
     name = "check_kl_shaped_rewards"
@@ -148,8 +154,10 @@ def check_kl_shaped_rewards(fn) -> None:
     passed(name, len(cases))
 
 
+@references("rlcourse.returns:gae")
 def check_token_gae(fn) -> None:
     """``fn(rewards, values, mask, gamma, lam) -> (B, T)``: GAE over each row's real tokens, terminal after the last."""
+    __tracebackhide__ = True
     from rlcourse.returns import gae
 
     name = "check_token_gae"
@@ -188,6 +196,7 @@ def check_token_gae(fn) -> None:
 def check_eos_experiment(fn) -> None:
     """``fn(missing_eos_penalty) -> float``: the share of completions that end with ``<eos>`` after a short
     PPO run with ``response_length=5``; the penalty must raise it by at least 0.3 (measured)."""
+    __tracebackhide__ = True
     name = "check_eos_experiment"
     without = fn(None)
     with_penalty = fn(1.0)

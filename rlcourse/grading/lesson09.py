@@ -14,7 +14,7 @@ import numpy as np
 
 import torch
 
-from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy
+from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy, references
 
 __all__ = ["check_leave_one_out_advantages", "check_policy_gradient_loss", "check_rloo_gradient_estimate"]
 
@@ -28,12 +28,14 @@ def _call_unmutated(name, case, fn, *tensors, **kwargs):
     return got
 
 
+@references("rlcourse.losses.grpo:leave_one_out_advantages")
 def check_leave_one_out_advantages(fn) -> None:
     """``fn(rewards, num_generations) -> (B,)``: ``A_i = r_i - mean of the other K-1 rewards of i's group``.
 
     Rewards come in groups of ``K = num_generations`` consecutive entries (all completions of one
     prompt next to each other).
     """
+    __tracebackhide__ = True
     from rlcourse.losses.grpo import leave_one_out_advantages as reference
 
     name = "check_leave_one_out_advantages"
@@ -65,12 +67,14 @@ def check_leave_one_out_advantages(fn) -> None:
     passed(name, len(cases))
 
 
+@references("rlcourse.losses.policy_gradient:reinforce_loss")
 def check_policy_gradient_loss(fn) -> None:
     """``fn(logprobs, mask, advantages) -> scalar``: ``-(1/B) sum_i A_i sum_t m_it log pi(y_it)``.
 
     ``advantages`` may carry a gradient (it came from a differentiable reward or baseline): it is a
     weight and must be detached.
     """
+    __tracebackhide__ = True
     name = "check_policy_gradient_loss"
     gen = torch.Generator().manual_seed(91)
     cases = []
@@ -107,6 +111,7 @@ def check_policy_gradient_loss(fn) -> None:
     passed(name, len(cases))
 
 
+@references("rlcourse.lm.exact_oracle:gradient_estimates")
 def check_rloo_gradient_estimate(fn) -> None:
     """``fn(policy, rewards, K, generator) -> (D,)``: one RLOO gradient estimate from K samples.
 
@@ -114,6 +119,7 @@ def check_rloo_gradient_estimate(fn) -> None:
     seeded generator: the mean must match the exact ``grad J`` within noise (unbiased) and the
     variance must match RLOO's (a plain REINFORCE or a batch-mean baseline are caught).
     """
+    __tracebackhide__ = True
     from rlcourse.lm.exact_oracle import EnumerablePolicy, estimator_stats, gradient_estimates
 
     name = "check_rloo_gradient_estimate"

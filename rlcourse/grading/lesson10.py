@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy
+from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy, references
 
 __all__ = ["check_group_advantages", "check_aggregate_loss", "check_sequence_ratio",
            "check_length_bias_experiment"]
@@ -27,9 +27,11 @@ def _unmutated(name, case, fn, *args):
     return got
 
 
+@references("rlcourse.losses.grpo:group_advantages")
 def check_group_advantages(fn) -> None:
     """``fn(rewards, num_generations, std_floor) -> (B,)``: ``(r - group mean) / (group std + std_floor)``,
     std with Bessel's correction, and exactly 0 for a group whose rewards are all equal."""
+    __tracebackhide__ = True
     from rlcourse.losses.grpo import group_advantages as reference
 
     name = "check_group_advantages"
@@ -86,9 +88,11 @@ def _token_cases(seed):
     return cases
 
 
+@references("rlcourse.losses.grpo:aggregate_loss")
 def check_aggregate_loss(fn) -> None:
     """``fn(per_token_loss, mask, loss_type, max_completion_length) -> scalar`` for
     ``loss_type`` in ``grpo`` (sequence mean), ``dapo`` (token mean), ``dr_grpo`` (constant)."""
+    __tracebackhide__ = True
     from rlcourse.losses.grpo import aggregate_loss as reference
 
     name = "check_aggregate_loss"
@@ -114,8 +118,10 @@ def check_aggregate_loss(fn) -> None:
     passed(name, n)
 
 
+@references("rlcourse.losses.grpo:importance_weights")
 def check_sequence_ratio(fn) -> None:
     """``fn(logprobs, old_logprobs, mask) -> (B, 1)``: ``exp(mean over real tokens of (logp - old))``."""
+    __tracebackhide__ = True
     from rlcourse.losses.grpo import importance_weights
 
     name = "check_sequence_ratio"
@@ -150,6 +156,7 @@ def check_length_bias_experiment(fn) -> None:
     """``fn(loss_type, seed) -> list`` of the expected wrong-answer length after each training step,
     from the learner's loop on the oracle of the lesson. Measured at seeds 0 and 1: grpo's must end
     at least 0.5 tokens above dr_grpo's (Dr. GRPO's length bias)."""
+    __tracebackhide__ = True
     name = "check_length_bias_experiment"
     finals = {}
     for loss_type in ("grpo", "dr_grpo"):

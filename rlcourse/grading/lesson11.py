@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy
+from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy, references
 
 __all__ = ["check_dpo_loss", "check_implicit_reward", "check_ipo_loss", "check_fit_dpo_policy"]
 
@@ -53,9 +53,11 @@ def _call_checked(name, case, fn, *tensors_then_rest):
     return got
 
 
+@references("rlcourse.losses.dpo:dpo_sigmoid_loss")
 def check_dpo_loss(fn) -> None:
     """``fn(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta) -> (B,)``:
     ``-log sigmoid(beta * ([log pi(y_w) - log pi_ref(y_w)] - [log pi(y_l) - log pi_ref(y_l)]))``, one per pair."""
+    __tracebackhide__ = True
     from rlcourse.losses import dpo_sigmoid_loss
 
     name = "check_dpo_loss"
@@ -85,8 +87,10 @@ def check_dpo_loss(fn) -> None:
     passed(name, len(cases))
 
 
+@references("rlcourse.losses.dpo:dpo_implicit_reward")
 def check_implicit_reward(fn) -> None:
     """``fn(policy_logps, ref_logps, beta) -> tensor``: ``beta * (log pi(y|x) - log pi_ref(y|x))``."""
+    __tracebackhide__ = True
     from rlcourse.losses import dpo_implicit_reward
 
     name = "check_implicit_reward"
@@ -110,9 +114,11 @@ def check_implicit_reward(fn) -> None:
     passed(name, len(cases))
 
 
+@references("rlcourse.losses.dpo:ipo_loss")
 def check_ipo_loss(fn) -> None:
     """``fn(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta) -> (B,)``:
     ``(h - 1 / (2 beta))^2`` per pair, ``h`` the log-ratio margin (sequence-level, no length normalisation)."""
+    __tracebackhide__ = True
     from rlcourse.losses import ipo_loss
 
     name = "check_ipo_loss"
@@ -144,6 +150,7 @@ def check_fit_dpo_policy(fn) -> None:
     optimum ``pi* = pi_ref exp(r / beta) / Z`` must be below 0.01 nats per prompt (the
     reference solution reaches about 0.001).
     """
+    __tracebackhide__ = True
     from rlcourse.preference_oracle import CategoricalBandit
 
     name = "check_fit_dpo_policy"

@@ -18,7 +18,7 @@ import nbformat
 
 from rlcourse.tools import checkcells
 
-KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
+from rlcourse.tools.execute import KERNELSPEC  # the kernel `make env` installs: opening a notebook rewrites nothing
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 ROOT = Path(__file__).resolve().parents[2]
 _DEF = re.compile(r"^\s*def\s+(\w+)\s*\(")
