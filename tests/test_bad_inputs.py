@@ -10,8 +10,28 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse import kl, losses, returns
+from rlcourse.classic.ppo import PPOConfig, train_ppo
+from rlcourse.lm.logprobs import sequence_logprobs, token_logprobs_from_logits
+from rlcourse.lm.model import make_model
+from rlcourse.lm.tokenizer import build_char_tokenizer
 
 nan, inf = float("nan"), float("inf")
+_MODEL = []
+
+
+def lm():
+    """The tiny GPT (random weights; 81 tokens, 64 positions), built once."""
+    if not _MODEL:
+        _MODEL.append(make_model("tiny", build_char_tokenizer(), seed=0).eval())
+    return _MODEL[0]
+
+
+P_IDS, P_MASK = torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
+C_IDS, C_MASK = torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long)
+
+
+def logprobs(prompt_ids=P_IDS, completion_ids=C_IDS, completion_mask=C_MASK, prompt_mask=P_MASK, temperature=1.0):
+    return sequence_logprobs(lm(), prompt_ids, completion_ids, completion_mask, prompt_mask, temperature)
 Z = np.zeros((2, 3))
 T23 = torch.zeros(2, 3)
 ONES = torch.ones(2, 3)
@@ -87,6 +107,24 @@ CASES = [
     ("k2 mask shape", lambda: kl.kl_k2(torch.zeros(3), torch.zeros(3), mask=[1, 0]), ValueError, r"mask must have shape \(3,\)"),
     ("exact_kl logits", lambda: kl.exact_kl(torch.ones(2, 4), torch.ones(2, 4)), ValueError, r"Were these logits"),
     ("entropy scalar", lambda: kl.entropy(torch.tensor(0.0)), ValueError, r"vocabulary dimension"),
+    # --- lm.logprobs (each used to fail deep inside torch, or silently)
+    ("right-padded prompt", lambda: logprobs(prompt_mask=torch.tensor([[1, 1, 1], [1, 1, 0]])), ValueError,
+     r"prompt_mask must be 1 in the last column.*padding_side='left'"),
+    ("more tokens than positions", lambda: logprobs(completion_ids=torch.ones(2, 70, dtype=torch.long),
+                                                    completion_mask=torch.ones(2, 70)), ValueError, r"real tokens.*positions"),
+    ("token id outside the vocabulary", lambda: logprobs(completion_ids=torch.full((2, 4), 81)), ValueError,
+     r"completion_ids must hold token ids in \[0, 81\)"),
+    ("float token ids", lambda: logprobs(completion_ids=C_IDS.float()), ValueError, r"completion_ids must be an integer tensor"),
+    ("nan temperature", lambda: logprobs(temperature=nan), ValueError, r"temperature must be a finite number > 0"),
+    ("zero temperature", lambda: token_logprobs_from_logits(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), 0.0),
+     ValueError, r"temperature"),
+    ("completion mask not 0/1", lambda: logprobs(completion_mask=2 * C_MASK), ValueError, r"completion_mask must hold only 0 and 1"),
+    ("no completion mask", lambda: logprobs(completion_mask=None), ValueError, r"completion_mask is required"),
+    # --- trainers: never a silent no-op, never nan parameters
+    ("PPO budget below one batch", lambda: train_ppo(total_timesteps=100, progress=False), ValueError,
+     r"total_timesteps=100 is less than one batch"),
+    ("PPO one-sample minibatches", lambda: PPOConfig(total_timesteps=16, num_envs=2, num_steps=8, num_minibatches=16),
+     ValueError, r"num_minibatches=16.*norm_adv"),
 ]
 
 
