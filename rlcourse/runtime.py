@@ -100,7 +100,7 @@ def close_progress(bar, note: str = "stopped early: target reached") -> None:
     trainer that stops because it solved the task sets the total to what was done, says why in
     the description, and the bar ends green and full.
     """
-    if bar.total and bar.n < bar.total:
+    if not getattr(bar, "disable", False) and bar.total and bar.n < bar.total:
         bar.total = bar.n
         bar.set_description_str(f"{bar.desc} ({note})", refresh=False)
         bar.refresh()

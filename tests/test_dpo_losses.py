@@ -6,7 +6,7 @@ import pytest
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.losses import (LOSS_TYPES, chosen_nll_loss, dpo_hinge_loss, dpo_implicit_reward,
+from rlcourse.losses import (DPO_LOSS_TYPES as LOSS_TYPES, chosen_nll_loss, dpo_hinge_loss, dpo_implicit_reward,
                              dpo_logratio_margin, dpo_sigmoid_loss, ipo_loss, preference_loss,
                              robust_dpo_loss)
 

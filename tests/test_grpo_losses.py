@@ -5,7 +5,7 @@ import pytest
 import rlcourse  # noqa: F401
 import torch
 
-from rlcourse.losses import (LOSS_TYPES, aggregate_loss, batch_mean_advantages, clip_fractions,
+from rlcourse.losses import (GRPO_LOSS_TYPES as LOSS_TYPES, aggregate_loss, batch_mean_advantages, clip_fractions,
                              group_advantages, importance_weights, leave_one_out_advantages,
                              moving_average_baseline, per_token_loss)
 

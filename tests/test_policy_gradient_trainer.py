@@ -8,7 +8,7 @@ import torch
 
 from rlcourse.lm import AdditionTask, load_checkpoint
 from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
-from rlcourse.losses import LOSS_TYPES
+from rlcourse.losses import GRPO_LOSS_TYPES as LOSS_TYPES
 
 TRL_METRICS = {"reward", "reward_std", "frac_reward_zero_std", "clip_ratio/low_mean", "clip_ratio/high_mean",
                "entropy", "completions/mean_length", "completions/clipped_ratio"}

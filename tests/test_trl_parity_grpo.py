@@ -16,7 +16,7 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.lm import load_checkpoint, save_checkpoint, sequence_logprobs
-from rlcourse.losses import (LOSS_TYPES, aggregate_loss, group_advantages, leave_one_out_advantages,
+from rlcourse.losses import (GRPO_LOSS_TYPES as LOSS_TYPES, aggregate_loss, group_advantages, leave_one_out_advantages,
                              per_token_loss, rloo_loss)
 
 import trl  # noqa: E402  (a dependency of the project: these tests never skip)

@@ -20,3 +20,7 @@ from rlcourse.losses.dpo import *  # noqa: F401,F403
 from rlcourse.losses.dpo import __all__ as _dpo
 
 __all__ = [*_policy_gradient, *_reward_model, *_grpo, *_dpo]
+# A name exported by two modules would silently mean the later one here (it happened: LOSS_TYPES).
+_twice = {name for name in __all__ if __all__.count(name) > 1}
+if _twice:
+    raise ImportError(f"rlcourse.losses: names exported by two modules: {sorted(_twice)}")

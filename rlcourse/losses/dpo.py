@@ -33,10 +33,11 @@ import torch.nn.functional as F
 
 from rlcourse.losses.policy_gradient import masked_mean
 
-__all__ = ["LOSS_TYPES", "dpo_implicit_reward", "dpo_logratio_margin", "dpo_sigmoid_loss",
+__all__ = ["DPO_LOSS_TYPES", "dpo_implicit_reward", "dpo_logratio_margin", "dpo_sigmoid_loss",
            "dpo_hinge_loss", "ipo_loss", "robust_dpo_loss", "chosen_nll_loss", "preference_loss"]
 
-LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "sft")
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "sft")
+LOSS_TYPES = DPO_LOSS_TYPES  # the short name inside this module
 
 
 def _check_beta(beta) -> None:

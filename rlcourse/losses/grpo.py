@@ -27,7 +27,7 @@ from rlcourse.losses.policy_gradient import (importance_ratio, ppo_clip_objectiv
                                              trajectory_importance_weight)
 
 __all__ = [
-    "LOSS_TYPES",
+    "GRPO_LOSS_TYPES",
     "group_advantages",
     "leave_one_out_advantages",
     "batch_mean_advantages",
@@ -39,7 +39,8 @@ __all__ = [
     "clip_fractions",
 ]
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+LOSS_TYPES = GRPO_LOSS_TYPES  # the short name inside this module
 
 
 def _rewards_1d(rewards) -> torch.Tensor:
