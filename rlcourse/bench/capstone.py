@@ -8,6 +8,9 @@ level just before the first run started (models, optimiser state, activations). 
 starts from ``digitsum-sft`` and draws ``budget`` completions; the peer of every method is the SFT
 start and RFT (rejection-sampling fine-tuning, the best-of-n baseline). Validity, KL and distinct
 valid answers per target are final values, mean +/- 95% t half-width over seeds.
+
+DPO's peak is its offline sampling: ``budget`` completions drawn from the SFT model in one batch
+before training, so its memory grows with the budget while the online methods' grows with ``batch``.
 """
 from __future__ import annotations
 
