@@ -33,7 +33,8 @@ from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrai
 from rlcourse.lm.sft import train_sft
 from rlcourse.runtime import seed_everything
 
-__all__ = ["ALGORITHMS", "CapstoneConfig", "run", "compare", "summary", "t_interval"]
+__all__ = ["ALGORITHMS", "MODELS_HELD", "T975", "CapstoneConfig", "run", "compare", "summary", "t_interval",
+           "interval_above", "intervals_separate", "curve_band"]
 
 # name -> PolicyGradientConfig overrides (None: a trainer of its own)
 _PG = {
@@ -188,7 +189,7 @@ def compare(algorithms=ALGORITHMS, seeds=(0, 1, 2), cfg: CapstoneConfig | None =
 
 
 # Student's t quantile t_{0.975, df}, from standard tables (df > 30: the normal's 1.96 is within 4%).
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
          10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
 
 
@@ -202,8 +203,36 @@ def t_interval(values) -> tuple[float, float]:
     if x.ndim != 1 or len(x) < 2 or not np.isfinite(x).all():
         raise ValueError(f"values must be at least 2 finite numbers, got {values!r}")
     df = len(x) - 1
-    t = _T975[max(k for k in _T975 if k <= df)] if df <= 30 else 1.96
+    t = T975[max(k for k in T975 if k <= df)] if df <= 30 else 1.96
     return float(x.mean()), float(t * x.std(ddof=1) / math.sqrt(len(x)))
+
+
+def interval_above(a, b) -> bool:
+    """Whether interval ``a = (mean, half_width)`` lies entirely above ``b``: ``a_mean - a_half > b_mean + b_half``.
+
+    Strict: intervals that touch are not separated.
+    """
+    return float(a[0]) - float(a[1]) > float(b[0]) + float(b[1])
+
+
+def intervals_separate(a, b) -> bool:
+    """Whether two ``(mean, half_width)`` intervals do not overlap (either one above the other)."""
+    return interval_above(a, b) or interval_above(b, a)
+
+
+def curve_band(results: list[dict], algorithm: str, x: str = "samples", y: str = "validity"):
+    """One algorithm's learning curve over seeds: ``x`` (mean over seeds), ``y``'s mean and 95% half-width.
+
+    Every seed of an algorithm evaluates at the same sample counts; their wall-clock ``seconds``
+    differ a little, so the x of a point is their mean.
+    """
+    runs = [r for r in results if r["algorithm"] == algorithm]
+    if len(runs) < 2:
+        raise ValueError(f"algorithm {algorithm!r} needs at least 2 seeds in results, got {len(runs)}")
+    points = list(zip(*(r["curve"] for r in runs)))  # one tuple of per-seed rows per evaluation point
+    xs = np.array([np.mean([p[x] for p in point]) for point in points])
+    bands = np.array([t_interval([p[y] for p in point]) for point in points])
+    return xs, bands[:, 0], bands[:, 1]
 
 
 def summary(results: list[dict]) -> list[dict]:

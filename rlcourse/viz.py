@@ -150,3 +150,15 @@ def plot_training_diagnostics(updates: dict, keys=("clip_fraction", "approx_kl",
         ax.set_visible(False)
     plt.tight_layout()
     return axes
+
+
+def plot_band(x, mean, half_width, ax=None, label: str | None = None, xlabel: str = "samples drawn",
+              ylabel: str = "validity", **line_kwargs):
+    """A mean curve with a shaded band ``mean +/- half_width`` (e.g. a 95% interval over seeds)."""
+    ax = ax or plt.gca()
+    x, mean, half_width = (np.asarray(v, dtype=float) for v in (x, mean, half_width))
+    line, = ax.plot(x, mean, marker="o", label=label, **line_kwargs)
+    ax.fill_between(x, mean - half_width, mean + half_width, color=line.get_color(), alpha=0.15, linewidth=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    return ax
