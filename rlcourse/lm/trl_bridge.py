@@ -24,7 +24,8 @@ import torch
 
 from rlcourse.lm.checkpoints import checkpoint_path
 
-__all__ = ["GRPO_NAME_MAP", "task_dataset", "task_reward_func", "export_checkpoint",
+__all__ = ["GRPO_NAME_MAP", "OURS_ONLY", "task_dataset", "task_reward_func", "export_checkpoint",
+           "grpo_config_kwargs", "dpo_config_kwargs", "preference_dataset",
            "parameter_checksum", "distributed_report"]
 
 # Our name (rlcourse trainers use TRL's names) -> TRL GRPOConfig, verl, OpenRLHF. Where a system
@@ -47,6 +48,64 @@ GRPO_NAME_MAP = {
     "kl_estimator": ("(k3 in the loss)", "actor_rollout_ref.actor.kl_loss_type (low_var_kl = k3)",
                      "--kl_estimator"),
 }
+
+
+# PolicyGradientConfig fields TRL's GRPOConfig has no switch for: GRPOTrainer always uses the group
+# advantage (TRL's RLOOTrainer the leave-one-out one), a fixed 1e-4 added to the std, no dynamic
+# sampling and no moving baseline. grpo_config_kwargs leaves them out only at their GRPO values.
+OURS_ONLY = {"std_floor": 1e-4, "advantage_estimator": "grpo", "baseline_decay": None,
+             "kl_in_reward": False, "dynamic_sampling": False}
+
+
+def grpo_config_kwargs(config, task=None) -> dict:
+    """Our :class:`~rlcourse.lm.policy_gradient.PolicyGradientConfig` as ``trl.GRPOConfig`` keyword arguments.
+
+    Every field that TRL shares is passed under its own (identical) name; ``max_completion_length``
+    ``None`` (ours: the task's ``max_new_tokens``) is resolved with ``task``. Our trainer keeps the
+    learning rate constant, so ``lr_scheduler_type="constant"`` is added (TRL's default decays it
+    linearly). Output, device and logging options (``output_dir``, ``use_cpu``...) are the caller's.
+    A field TRL cannot express (see :data:`OURS_ONLY`) at a non-GRPO value raises ``ValueError``:
+    GRPOTrainer would silently run a different algorithm.
+    """
+    from dataclasses import fields
+
+    kwargs = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if f.name in OURS_ONLY:
+            if OURS_ONLY[f.name] is not None and value != OURS_ONLY[f.name]:
+                raise ValueError(f"config.{f.name}={value!r} has no GRPOConfig equivalent "
+                                 f"(GRPOTrainer runs {f.name}={OURS_ONLY[f.name]!r})")
+            continue
+        kwargs[f.name] = value
+    if kwargs["max_completion_length"] is None:
+        if task is None:
+            raise ValueError("config.max_completion_length is None: pass task= to use task.max_new_tokens")
+        kwargs["max_completion_length"] = task.max_new_tokens
+    kwargs["lr_scheduler_type"] = "constant"
+    return kwargs
+
+
+def dpo_config_kwargs(config) -> dict:
+    """Our :class:`~rlcourse.lm.dpo.DPOConfig` as ``trl.DPOConfig`` keyword arguments (same names).
+
+    Ours has no warm-up: ``warmup_steps=0`` is added so TRL's schedule is the same linear decay.
+    """
+    from dataclasses import fields
+
+    kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+    kwargs["warmup_steps"] = 0
+    return kwargs
+
+
+def preference_dataset(pairs: list[dict]):
+    """Preference pairs ``{"prompt", "chosen", "rejected"}`` as a ``datasets.Dataset`` (TRL's
+    "standard preference" format, what ``DPOTrainer`` reads)."""
+    from datasets import Dataset
+
+    if not pairs or any(not {"prompt", "chosen", "rejected"} <= set(p) for p in pairs):
+        raise ValueError("pairs must be a non-empty list of dicts with keys 'prompt', 'chosen', 'rejected'")
+    return Dataset.from_list([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in pairs])
 
 
 def task_dataset(task, n: int, seed: int = 0):

@@ -72,6 +72,9 @@ def main(argv=None) -> int:
     trainer = GRPOTrainer(model=model_dir, reward_funcs=task_reward_func(task), args=config,
                           train_dataset=task_dataset(task, n_prompts, seed=args.seed),
                           processing_class=PreTrainedTokenizerFast.from_pretrained(model_dir))
+    # With its progress bar off, the Trainer prints every log dict; the report below carries the rewards.
+    from transformers.trainer_callback import PrinterCallback
+    trainer.remove_callback(PrinterCallback)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
