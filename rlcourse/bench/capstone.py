@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.bench.ppo_rlhf import _RSSWatcher
+from rlcourse.bench._memory import RSSWatcher
 from rlcourse.capstone import ALGORITHMS, CapstoneConfig, interval_above, run, summary, t_interval
 from rlcourse.runtime import describe, device
 
@@ -31,7 +31,7 @@ def _run_algorithm(algorithm: str, seeds: list[int], cfg: CapstoneConfig, thread
     """All seeds of one algorithm in this (fresh) process: the runs and the peak memory in MB."""
     torch.set_num_threads(threads)
     dev = device()
-    with _RSSWatcher() as watcher:
+    with RSSWatcher() as watcher:
         results = [run(algorithm, seed, cfg, device=dev) for seed in seeds]
     if dev.type == "cuda":
         return results, max(r["peak_memory_mb"] for r in results)

@@ -24,13 +24,11 @@ import sys
 import tempfile
 import time
 
+from rlcourse.bench._memory import rss_bytes
+
 
 def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return rss_bytes() / 2**20
 
 
 def _peak_mb() -> float:

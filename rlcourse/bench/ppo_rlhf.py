@@ -18,7 +18,6 @@ import copy
 import multiprocessing
 import os
 import tempfile
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -30,37 +29,8 @@ from rlcourse.lm.best_of_n import best_of_n, best_of_n_kl
 from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer
 from rlcourse.lm.reward_model import ScalarHeadModel, train_reward_model
 from rlcourse.lm.value_model import make_value_model
+from rlcourse.bench._memory import RSSWatcher
 from rlcourse.runtime import describe, device
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class _RSSWatcher:
-    """Peak resident set size of this process while a block runs, sampled every 2 ms (CPU only).
-
-    ``ru_maxrss`` cannot serve: a spawned worker inherits its parent's peak across fork and exec.
-    """
-
-    def __enter__(self):
-        self.base = self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def _watch(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.002)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
-        return False
 
 
 def _run_method(method: str, n: int, settings: dict, reward_model_path: str) -> dict:
@@ -87,7 +57,7 @@ def _run_method(method: str, n: int, settings: dict, reward_model_path: str) -> 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
-    watcher = _RSSWatcher().__enter__() if dev.type != "cuda" else None
+    watcher = RSSWatcher().__enter__() if dev.type != "cuda" else None
     t0 = time.perf_counter()
     if method == "ppo":
         torch.manual_seed(0)
