@@ -74,14 +74,7 @@ def _floats(x, name: str):
 
 def _like(x, name: str, ref: torch.Tensor) -> torch.Tensor:
     """An optional companion array of ``ref``'s shape, as ``ref``'s dtype and device."""
-    if isinstance(x, torch.Tensor):
-        x = x.detach()
-    else:
-        try:
-            x = torch.from_numpy(np.asarray(x, dtype=float))
-        except (TypeError, ValueError):
-            raise TypeError(f"{name} must be an array, a tensor or a list of numbers, "
-                            f"got {type(x).__name__}") from None
+    x, _ = _floats(x, name)
     if tuple(x.shape) != tuple(ref.shape):
         raise ValueError(f"{name} must have the shape of rewards {tuple(ref.shape)}, got {tuple(x.shape)}")
     return x.to(device=ref.device, dtype=ref.dtype)
