@@ -5,7 +5,7 @@ from rlcourse.bench import grpo_vs_trl
 
 
 def test_grpo_vs_trl_reports_both_trainers(capsys):
-    assert grpo_vs_trl.main(["--steps", "1", "--batch", "8", "--num-generations", "4"]) == 0
+    assert grpo_vs_trl.main(["--steps", "1", "--batch", "8", "--num-generations", "4", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     for name in ("ours", "trl"):
         assert re.search(rf"{name}\s+[\d.]+ completions/s .* held-out exact match [\d.]+% -> [\d.]+% \| peak memory \d+ MB",

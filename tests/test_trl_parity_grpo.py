@@ -50,7 +50,9 @@ def setup(tmp_path_factory):
                                processing_class=tokenizer, args=trl.RLOOConfig(**common))
     for trainer in (grpo, rloo):
         trainer.current_gradient_accumulation_steps = 1
-        trainer.model.train()
+        # float64: our forward (rlcourse.lm.fast_gpt2) and transformers' round differently in float32
+        # (~1e-6 relative); in float64 any difference left is in the formulas, not the rounding.
+        trainer.model.double().train()
 
     # Fixed completions of varied lengths (1..MAX_LEN tokens, some ending in <eos>, some cut).
     gen = torch.Generator().manual_seed(0)
@@ -68,9 +70,9 @@ def setup(tmp_path_factory):
     # Old and reference log-probs: the current ones plus fixed noise, so ratios leave [0.8, 1.2].
     with torch.no_grad():
         current = sequence_logprobs(grpo.model, prompt_ids, completion_ids, completion_mask, prompt_mask)
-    old = (current + 0.3 * torch.randn(current.shape, generator=gen)) * completion_mask
-    ref = (current + 0.2 * torch.randn(current.shape, generator=gen)) * completion_mask
-    advantages = torch.randn(B, generator=gen)
+    old = (current + 0.3 * torch.randn(current.shape, generator=gen, dtype=current.dtype)) * completion_mask
+    ref = (current + 0.2 * torch.randn(current.shape, generator=gen, dtype=current.dtype)) * completion_mask
+    advantages = torch.randn(B, generator=gen, dtype=current.dtype)
     batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                  completion_mask=completion_mask, advantages=advantages, old=old, ref=ref)
     return dict(grpo=grpo, rloo=rloo, batch=batch, tokenizer=tokenizer, rows=rows)

@@ -6,7 +6,8 @@ Both start from the ``addition-partial`` checkpoint and train on the same traini
 same settings (``num_generations``, completions per step, learning rate at a constant schedule,
 ``beta``, ``loss_type``, ``max_completion_length``, ``max_grad_norm`` 1.0, temperature 1). Each
 trainer runs in its own subprocess so that peak memory (max RSS on CPU, peak allocated on CUDA) is
-its own. Printed: completions per second of the training loop (generation, scoring and updates;
+its own; each runs ``--repeats`` times (alternated) and the median speed is reported. Printed:
+completions per second of the training loop (generation, scoring and updates;
 model loading excluded), their ratio (goal: ours >= 3x TRL's), held-out greedy exact match after
 the same number of steps (goal: ours within 3 points of TRL's or better) and peak memory.
 """
@@ -103,6 +104,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each trainer, alternated; the median is reported")
     parser.add_argument("--only", choices=("ours", "trl"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.steps = args.steps or SIZES[args.size]["steps"]
@@ -110,16 +112,21 @@ def main(argv: list[str]) -> int:
     if args.only:
         print(json.dumps(_run_one(args.only, args)))
         return 0
-    results = {}
-    for which in ("ours", "trl"):
+    runs = {"ours": [], "trl": []}
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # Alternate ours, TRL, ours, TRL...: a burst of load from other processes then hits both alike.
+    for which in ("ours", "trl") * args.repeats:
         cmd = [sys.executable, "-m", "rlcourse.bench", "grpo-vs-trl", "--only", which, *argv]
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         out = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if out.returncode != 0:
             print(out.stdout[-2000:], out.stderr[-4000:])
             return 1
-        results[which] = json.loads(out.stdout.strip().splitlines()[-1])
-    ours, trl = results["ours"], results["trl"]
+        runs[which].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    # The run of median speed stands for each trainer (training is seeded: accuracy is the same in every run).
+    ours, trl = (sorted(r, key=lambda x: x["completions_per_s"])[len(r) // 2] for r in (runs["ours"], runs["trl"]))
+    if args.repeats > 1:
+        for which, r in runs.items():
+            print(f"  {which} runs: " + ", ".join(f"{x['completions_per_s']:.0f}" for x in r) + " completions/s")
     print(f"grpo-vs-trl: addition-partial, {args.steps} steps x {args.batch} completions "
           f"(num_generations={args.num_generations}, lr={args.lr}, beta={args.beta}, loss_type={args.loss_type}), "
           f"{args.threads} threads, device {ours['device']}")

@@ -35,6 +35,8 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from rlcourse.lm import fast_gpt2
+
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position of each token among the real tokens of its row: ``cumsum(mask) - 1``, pads at 0."""
@@ -70,6 +72,11 @@ def _check_mask(name: str, mask, shape) -> torch.Tensor:
     return mask.long()
 
 
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits are upcast before a log-softmax (bf16 keeps ~3 digits); float64 stays float64."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
 def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor,
                                temperature: float = 1.0) -> torch.Tensor:
     """``log softmax(logits / T)[token]`` for each position: the log-prob of the token taken.
@@ -86,7 +93,7 @@ def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor,
                          f"got {tuple(tokens.shape)}")
     temperature = _check_temperature(temperature)
     _check_ids("tokens", tokens, logits.shape[-1])
-    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
+    logp_all = F.log_softmax(_at_least_float32(logits) / temperature, dim=-1)
     return logp_all.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
@@ -140,11 +147,15 @@ def completion_logits(model, prompt_ids: torch.Tensor, completion_ids: torch.Ten
     before each token instead: a hole is not there.)
     """
     input_ids, attention_mask = _model_inputs(model, prompt_ids, completion_ids, prompt_mask, completion_mask)
-    n_new = completion_ids.shape[1]
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-                logits_to_keep=n_new + 1)
-    logits = out.logits  # columns P-1 .. P+T-1; the last predicts a token after the completion
+    n_new, n_prompt = completion_ids.shape[1], prompt_ids.shape[1]
+    # Columns P-1 .. P+T-1; the last predicts a token after the completion.
+    if fast_gpt2.supports(model):   # the same numbers, each distinct prompt computed once
+        logits = fast_gpt2.completion_window_logits(model, input_ids[:, :n_prompt], attention_mask[:, :n_prompt],
+                                                    input_ids[:, n_prompt:], attention_mask[:, n_prompt:])
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+                       logits_to_keep=n_new + 1).logits
     # Column of the last real token at or before each column of the kept window (the prompt's last
     # column is real, so there always is one): the predictor of the token that follows it.
     window = attention_mask[:, -(n_new + 1):-1]
@@ -183,4 +194,4 @@ def next_token_logprobs(model, prompt_ids: torch.Tensor, completion_ids: torch.T
     """
     temperature = _check_temperature(temperature)
     logits = completion_logits(model, prompt_ids, completion_ids, prompt_mask)
-    return F.log_softmax(logits.float() / temperature, dim=-1)
+    return F.log_softmax(_at_least_float32(logits) / temperature, dim=-1)

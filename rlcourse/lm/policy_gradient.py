@@ -130,7 +130,8 @@ class PolicyGradientTrainer:
         if c.beta > 0 and ref_model is None:
             ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.ref_model = ref_model
-        self.optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=c.learning_rate)
+        # foreach: one kernel per operation over all parameters, not one per tensor (same numbers).
+        self.optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=c.learning_rate, foreach=True)
         self.device = next(model.parameters()).device
         self.rng = np.random.default_rng(c.seed)
         self.generator = torch.Generator(device=self.device).manual_seed(c.seed)

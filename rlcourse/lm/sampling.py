@@ -11,8 +11,9 @@ How it works (the same loop as ``model.generate``, with the RL bookkeeping kept 
    start at the first real token, not at the first pad.
 3. One forward pass over the prompts fills the KV cache. Each later step feeds only the newly
    sampled token (B, 1) and reuses the cached keys and values: O(T) work per step, not O(T^2).
-   Plain GPT-2 models use a lean forward with a preallocated cache (:mod:`rlcourse.lm.fast_gpt2`);
-   any other causal LM uses its own forward and a ``transformers.DynamicCache``.
+   Plain GPT-2 models use a lean forward with a preallocated cache (:mod:`rlcourse.lm.fast_gpt2`)
+   that tokenises and prefills each distinct prompt once (a GRPO batch repeats every prompt K
+   times); any other causal LM uses its own forward and a ``transformers.DynamicCache``.
 4. The next token is drawn from ``softmax(logits / temperature)``, optionally restricted to the
    ``top_k`` largest logits. Its log-prob is read from the *untruncated* temperature-scaled
    distribution, which is what :func:`rlcourse.lm.logprobs.sequence_logprobs` recomputes.
@@ -141,7 +142,13 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
     if eos_id is None or pad_id is None:
         raise ValueError("tokenizer must define both eos_token and pad_token")
 
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, dev)
+    # Tokenise and prefill each distinct prompt once (GRPO repeats every prompt K times).
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a non-empty list of strings, got {type(prompts).__name__}")
+    where = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
+    rows = torch.tensor([where[p] for p in prompts], dtype=torch.long, device=dev)
+    distinct_ids, distinct_mask = encode_prompts(tokenizer, list(where), dev)
+    prompt_ids, prompt_mask = distinct_ids[rows], distinct_mask[rows]
     batch = prompt_ids.shape[0]
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     if limit is not None and prompt_ids.shape[1] + max_new_tokens > limit:
@@ -149,11 +156,15 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
                          f"exceeds the model's {limit} positions")
 
     was_training = model.training
-    model.eval()
+    if was_training:        # toggling every module's mode costs ~1 ms per call on a tiny model
+        model.eval()
     try:
-        decoder = (GPT2Decoder(model, prompt_mask, max_new_tokens)
-                   if engine == "auto" and fast_gpt2.supports(model) else _HFDecoder(model, prompt_mask))
-        logits = decoder.prefill(prompt_ids, position_ids_from_mask(prompt_mask))
+        if engine == "auto" and fast_gpt2.supports(model):
+            decoder = GPT2Decoder(model, prompt_mask, max_new_tokens, prefill_rows=rows)
+            logits = decoder.prefill(distinct_ids, position_ids_from_mask(distinct_mask))
+        else:
+            decoder = _HFDecoder(model, prompt_mask)
+            logits = decoder.prefill(prompt_ids, position_ids_from_mask(prompt_mask))
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
         tokens, logps, masks = [], [], []
         for step in range(max_new_tokens):
@@ -168,7 +179,8 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
                 break
             logits = decoder.step(token)
     finally:
-        model.train(was_training)
+        if was_training:
+            model.train()
 
     completion_ids = torch.stack(tokens, dim=1)
     completion_mask = torch.stack(masks, dim=1)
