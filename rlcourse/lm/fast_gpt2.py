@@ -177,7 +177,10 @@ class GPT2Decoder:
         start, (n_rows, n) = self.length, ids.shape
         cache_rows = slice(None) if rows is None else rows
         valid = self.valid[:, :start + n]
-        mask = _causal_mask(valid if rows is None else valid[_first_batch_row(rows, n_rows)], n)
+        if n == 1 and start > 0:   # one new token sees every real column so far: a view, no new kernels
+            mask = valid[:, None, None, :]
+        else:
+            mask = _causal_mask(valid if rows is None else valid[_first_batch_row(rows, n_rows)], n)
         layer = iter(range(len(self.keys)))
 
         def attend(qkv):
