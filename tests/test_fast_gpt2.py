@@ -110,6 +110,8 @@ def test_supports_only_plain_gpt2_without_active_dropout(tok):
     assert fast_gpt2.supports(plain.train()) and fast_gpt2.supports(plain.eval())
     dropout = make_model("tiny", tok, dropout=0.1, seed=0)
     assert fast_gpt2.supports(dropout.eval()) and not fast_gpt2.supports(dropout.train())
+    plain.transformer.h[1].attn.attn_dropout.p = 0.1        # switched on by hand, not through the config
+    assert fast_gpt2.supports(plain.eval()) and not fast_gpt2.supports(plain.train())
 
     class Adapter(torch.nn.Module):          # e.g. a LoRA layer patched over c_attn
         def __init__(self, inner):
