@@ -146,13 +146,14 @@ def gae_explorer(study, gae_lambda: float = 0.9, gamma: float = 0.9):
 
 
 # >>> policy-gradient explorers (lessons 02-03)
-def importance_weight_explorer(mdp, theta, batch, gamma: float, max_delta: float = 6.0):
+def importance_weight_explorer(mdp, theta, batch, gamma: float, max_alpha: float = 6.0):
     """A slider for how far a new policy moves from the one that sampled ``batch`` (lesson 03).
 
-    The new logits are ``theta + delta * u`` with ``u`` the unit exact-gradient direction. Shows the
+    The new logits are ``theta + alpha * u``: a step of length ``alpha`` along ``u``, the unit
+    exact-gradient direction. Shows the
     histogram of the trajectory importance weights ``rho`` (log scale), the effective sample size
     ``(sum rho)^2 / sum rho^2`` and how far the reweighted gradient estimate lands from the exact
-    gradient at the new policy. Near ``delta = 0`` old episodes are as good as new ones; far away
+    gradient at the new policy. Near ``alpha = 0`` old episodes are as good as new ones; far away
     a handful of episodes carry all the weight.
     """
     import numpy as np
@@ -174,8 +175,8 @@ def importance_weight_explorer(mdp, theta, batch, gamma: float, max_delta: float
 
     old = logprobs(theta)
 
-    def show(delta: float):
-        theta_new = theta + delta * direction
+    def show(alpha: float):
+        theta_new = theta + alpha * direction
         rho = losses.trajectory_importance_weight(logprobs(theta_new), old, mask).numpy()
         ess = rho.sum() ** 2 / (rho ** 2).sum() / len(rho)
         g = (ge.softmax_score_gradients(theta_new, batch, psi) * rho[:, None, None]).mean(0)
@@ -184,12 +185,12 @@ def importance_weight_explorer(mdp, theta, batch, gamma: float, max_delta: float
         ax.hist(np.log10(rho), bins=60, color="tab:purple")
         ax.set_xlabel(r"$\log_{10} \rho(\tau)$")
         ax.set_ylabel("episodes")
-        ax.set_title(f"δ = {delta:.2f}: effective sample size {100 * ess:.1f}% · "
+        ax.set_title(f"α = {alpha:.2f}: effective sample size {100 * ess:.1f}% · "
                      f"IS gradient off by {100 * error:.1f}%", fontsize=10)
         plt.show()
 
-    return Explorer(show, delta=widgets.FloatSlider(value=1.0, min=0.0, max=max_delta, step=0.25,
-                                                               description="δ"))
+    return Explorer(show, alpha=widgets.FloatSlider(value=1.0, min=0.0, max=max_alpha, step=0.25,
+                                                    description="α"))
 
 def gradient_estimate_explorer(g_per_episode, exact, n_max: int | None = None, seed: int = 0):
     """A slider for the number of episodes N behind a Monte-Carlo policy gradient (lesson 02).

@@ -7,8 +7,8 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.grading import CheckFailed
-from rlcourse.grading.lesson07 import (check_gather_token_logprobs, check_kl_k3, check_sequence_logprob,
-                                       check_token_entropy)
+from rlcourse.grading.lesson07 import (check_entropy_by_sampling, check_gather_token_logprobs,
+                                       check_sequence_logprob, check_token_entropy)
 
 
 # --- the masked gather -------------------------------------------------------------------------
@@ -172,37 +172,50 @@ def entropy_mean_not_sum(logits, temperature=1.0):
     return -(logp.exp() * logp).mean(-1)
 
 
-# --- k3 ----------------------------------------------------------------------------------------
+# --- the entropy measurement (the experiment) ------------------------------------------------
 
-def k3_ok(logp, logq):
-    log_r = logq - logp
-    return torch.exp(log_r) - 1 - log_r
-
-
-def k3_ok_trl_style(logp, logq):
-    return torch.exp(logq - logp) - (logq - logp) - 1
-
-
-def k3_inverted(logp, logq):
-    log_r = logp - logq
-    return torch.exp(log_r) - 1 - log_r
-
-
-def k3_is_k1(logp, logq):
-    return logp - logq
+def entropy_sampled(logits, temperatures, n_samples, seed, sample_temp=True, logp_temp=True, sign=-1.0,
+                    uniform=False):
+    out = {}
+    for temp in temperatures:
+        g = torch.Generator().manual_seed(seed)
+        logp = torch.log_softmax(logits / (temp if logp_temp else 1.0), -1)
+        weights = torch.ones_like(logp) if uniform else torch.softmax(logits / (temp if sample_temp else 1.0), -1)
+        y = torch.multinomial(weights, n_samples, replacement=True, generator=g)
+        surprise = sign * logp[y]
+        out[temp] = (surprise.mean(), surprise.std())
+    return out
 
 
-def k3_is_k2(logp, logq):
-    return 0.5 * (logq - logp) ** 2
+def with_(fn, **options):
+    def answer(*args):
+        return fn(*args, **options)
+    answer.__name__ = f"{fn.__name__}({', '.join(f'{k}={v!r}' for k, v in options.items())})"
+    return answer
 
 
-def k3_wrong_sign(logp, logq):
-    return -k3_ok(logp, logq)
+def entropy_sampled_numpy(logits, temperatures, n_samples, seed):
+    """Another right answer: NumPy floats, one generator shared by all temperatures."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for temp in temperatures:
+        logp = torch.log_softmax(logits / temp, -1)
+        y = torch.multinomial(logp.exp(), n_samples, replacement=True, generator=g)
+        out[temp] = (float(-logp[y].mean()), float(logp[y].std()))
+    return out
 
 
-def k3_probability_ratio_without_log(logp, logq):
-    r = torch.exp(logq - logp)
-    return (r - 1) - r
+def entropy_exact_not_sampled(logits, temperatures, n_samples, seed):
+    """Not a measurement: the exact entropy, with a made-up spread of 0."""
+    out = {}
+    for temp in temperatures:
+        logp = torch.log_softmax(logits / temp, -1)
+        out[temp] = (-(logp.exp() * logp).sum(), 0.0)
+    return out
+
+
+def entropy_one_temperature(logits, temperatures, n_samples, seed):
+    return {temperatures[1]: entropy_sampled(logits, temperatures, n_samples, seed)[temperatures[1]]}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -210,7 +223,7 @@ def k3_probability_ratio_without_log(logp, logq):
 RIGHT = [(check_gather_token_logprobs, gather_ok), (check_gather_token_logprobs, gather_ok_where),
          (check_sequence_logprob, seq_ok), (check_sequence_logprob, seq_ok_via_package),
          (check_token_entropy, entropy_ok), (check_token_entropy, entropy_ok_distributions),
-         (check_kl_k3, k3_ok), (check_kl_k3, k3_ok_trl_style)]
+         (check_entropy_by_sampling, entropy_sampled), (check_entropy_by_sampling, entropy_sampled_numpy)]
 
 WRONG = [
     (check_gather_token_logprobs, gather_sums_vocabulary, "gathered at the token"),
@@ -236,11 +249,12 @@ WRONG = [
     (check_token_entropy, entropy_no_temperature, "temperature"),
     (check_token_entropy, entropy_unweighted, "H = "),
     (check_token_entropy, entropy_mean_not_sum, "H = "),
-    (check_kl_k3, k3_inverted, "inverted"),
-    (check_kl_k3, k3_is_k1, "that is k1"),
-    (check_kl_k3, k3_is_k2, "never negative"),
-    (check_kl_k3, k3_wrong_sign, "never negative"),
-    (check_kl_k3, k3_probability_ratio_without_log, "never negative"),
+    (check_entropy_by_sampling, with_(entropy_sampled, sample_temp=False), "the same temperature"),
+    (check_entropy_by_sampling, with_(entropy_sampled, logp_temp=False), "the same temperature"),
+    (check_entropy_by_sampling, with_(entropy_sampled, sign=1.0), "minus sign"),
+    (check_entropy_by_sampling, with_(entropy_sampled, uniform=True), "4 standard errors"),
+    (check_entropy_by_sampling, entropy_exact_not_sampled, "std 0"),
+    (check_entropy_by_sampling, entropy_one_temperature, "a key per temperature"),
 ]
 
 

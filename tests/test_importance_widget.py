@@ -15,9 +15,9 @@ def test_importance_weight_explorer_redraws(monkeypatch):
     batch = ge.sample_episodes(env.mdp, tabular.softmax_policy(theta), 500, np.random.default_rng(1),
                                reward_table=env.reward_table)
     w = widgets.importance_weight_explorer(env.mdp, theta, batch, 0.9)
-    for delta in (0.0, 2.5):
-        w.children[0].value = delta  # moving the slider re-runs the plot
-    assert w.children[0].description == "δ"
+    for alpha in (0.0, 2.5):
+        w.children[0].value = alpha  # moving the slider re-runs the plot
+    assert w.children[0].description == "α"
 
 
 def test_gradient_estimate_explorer_redraws(monkeypatch):

@@ -11,11 +11,11 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from rlcourse.tools.make_exercises import ROOT, expected_exercises
+from rlcourse.tools.make_exercises import ROOT, expected_exercises, lesson_notebooks
 
-COURSE = sorted((ROOT / "course").glob("[0-9][0-9]_*.ipynb"))
-SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
-EXERCISES = sorted((ROOT / "exercises").glob("[0-9][0-9]_*.ipynb"))
+COURSE = lesson_notebooks(ROOT / "course")
+SOLUTIONS = lesson_notebooks(ROOT / "solutions")
+EXERCISES = lesson_notebooks(ROOT / "exercises")
 CHECK_CALL = re.compile(r"\bcheck_\w+\s*\(")
 
 
@@ -35,6 +35,13 @@ def test_every_solution_and_exercise_belongs_to_a_lesson():
     lessons = {p.name for p in COURSE}
     assert {p.name for p in SOLUTIONS} <= lessons
     assert COURSE and COURSE[0].name == "00_start_here.ipynb"
+
+
+def test_lessons_are_found_and_ordered_with_a_letter_after_the_number():
+    names = [p.name[:p.name.index("_")] for p in COURSE]
+    assert "07b" in names and names.index("07") + 1 == names.index("07b") == names.index("08") - 1, names
+    every = sorted(p.name for p in (ROOT / "course").glob("*.ipynb") if not p.name.startswith("."))
+    assert [p.name for p in COURSE] == every, "a notebook in course/ is not named like a lesson (NN_ or NNb_)"
 
 
 @pytest.mark.parametrize("path", COURSE + SOLUTIONS, ids=ids(COURSE + SOLUTIONS))

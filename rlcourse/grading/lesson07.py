@@ -1,9 +1,10 @@
-"""Checks for lesson 07 (an LLM as a policy): token log-probs, sequence log-probs, entropy, k3.
+"""Checks for lesson 07 (an LLM as a policy): token log-probs, sequence log-probs, entropy, and the
+experiment that measures entropy by sampling. (The KL checks of lesson 07b live in ``lesson07b.py``.)
 
 Each check compares the learner's function with the reference in :mod:`rlcourse.lm.logprobs` or
 :mod:`rlcourse.kl` on inputs built to expose one plausible mistake each: a log-softmax summed over
 the vocabulary instead of gathered, logits shifted by one against their targets, padding after
-EOS counted, the temperature forgotten, the KL ratio inverted; and on the families every check
+EOS counted, the temperature forgotten; and on the families every check
 probes: very large logits and log-probs near -800, boolean masks, inputs written in place (the
 caller's own tensors are compared after the call), and a log-prob whose gradient does not really
 reach the model's weights.
@@ -18,7 +19,7 @@ from rlcourse import kl
 from rlcourse.grading._core import assert_close, call_unmutated, fail, gradient_flowing, passed, references, to_numpy
 
 __all__ = ["check_gather_token_logprobs", "check_sequence_logprob", "check_token_entropy",
-           "check_kl_k3", "check_kl_estimators"]
+           "check_entropy_by_sampling"]
 
 _GATHER_HINT = ("log pi(token) = log_softmax(logits / temperature, dim=-1) gathered at the token "
                 "taken (torch.gather or .gather(-1, tokens.unsqueeze(-1))), then multiplied by the "
@@ -227,72 +228,48 @@ def check_token_entropy(fn) -> None:
     passed(name, len(cases))
 
 
-@references("rlcourse.kl:kl_k3")
-def check_kl_k3(fn) -> None:
-    """``fn(logp, logq) -> tensor``: ``k3 = (r - 1) - log r`` with ``r = exp(logq - logp)``."""
-    __tracebackhide__ = True
-    name = "check_kl_k3"
-    gen = torch.Generator().manual_seed(73)
-    cases = [("identical policies (k3 = 0)", torch.tensor([-0.5, -2.0]), torch.tensor([-0.5, -2.0])),
-             ("reference more likely than the policy (r > 1)", torch.tensor([-2.0]), torch.tensor([-0.5])),
-             ("reference less likely than the policy (r < 1)", torch.tensor([-0.5]), torch.tensor([-2.0]))]
-    for i in range(3):
-        logp = -3 * torch.rand(2, 5, generator=gen, dtype=torch.float64)
-        cases.append((f"random log-probs #{i} (shape (2, 5))", logp,
-                      logp + 0.8 * torch.randn(2, 5, generator=gen, dtype=torch.float64)))
-    cases.append(("very unlikely tokens (log-probs near -800)", torch.tensor([-800.0, -799.0], dtype=torch.float64),
-                  torch.tensor([-799.5, -800.0], dtype=torch.float64)))
-    for case, logp, logq in cases:
-        got = call_unmutated(name, case, fn, logp, logq)
-        expected = kl.kl_k3(logp, logq)
-        hint = ("k3 = (r - 1) - log r with r = pi_ref / pi_theta = exp(logq - logp) (a difference of logs: "
-                "exp(-800) / exp(-800) is 0/0); it is never negative")
-        got_np = to_numpy(_grad_free(got)) if got is not None else None
-        if got_np is not None and got_np.shape == tuple(expected.shape):
-            if np.allclose(got_np, to_numpy(kl.kl_k3(logq, logp)), atol=1e-7) and not torch.equal(logp, logq):
-                hint = ("the ratio is inverted: r = pi_ref(x) / pi_theta(x) = exp(logq - logp), "
-                        "since the samples come from pi_theta")
-            elif np.allclose(got_np, to_numpy(kl.kl_k1(logp, logq)), atol=1e-7) and not torch.equal(logp, logq):
-                hint = "that is k1 = -log r; k3 adds the zero-mean control variate (r - 1)"
-        assert_close(name, case, expected, _grad_free(got), hint=hint, atol=1e-7, rtol=1e-6)
-    passed(name, len(cases))
+@references("rlcourse.kl:entropy")
+def check_entropy_by_sampling(fn) -> None:
+    """``fn(logits, temperatures, n_samples, seed) -> {temp: (mean, std)}``: a measurement.
 
-
-@references("rlcourse.kl:kl_k1", "rlcourse.kl:kl_k3", "rlcourse.kl:kl_k2")
-def check_kl_estimators(fn) -> None:
-    """``fn(logits_p, logits_q, n_samples, seed) -> {"k1": (mean, std), "k3": (mean, std)}``: a measurement.
-
-    The experiment: draw ``n_samples`` tokens from ``p = softmax(logits_p)`` (a ``torch.Generator``
-    seeded with ``seed``), evaluate k1 = -log r and k3 = (r - 1) - log r with r = q(x) / p(x) on each,
-    and report each estimator's mean and standard deviation. Both means must estimate the exact
-    KL(p || q) (within 4 standard errors), k3 must spread less than k1 when p and q are close,
-    and no k3 sample is negative.
+    The experiment: for each temperature, draw ``n_samples`` tokens from
+    ``pi_temp = softmax(logits / temp)`` (a ``torch.Generator`` seeded with ``seed``) and report the
+    mean and standard deviation of their surprise ``-log pi_temp(y)``. Its mean is the entropy
+    ``H(pi_temp)``: each estimate must land within 4 standard errors of the exact entropy, and the
+    measured entropies must rise with the temperature.
     """
     __tracebackhide__ = True
-    name = "check_kl_estimators"
-    gen = torch.Generator().manual_seed(74)
+    name = "check_entropy_by_sampling"
+    gen = torch.Generator().manual_seed(75)
+    temperatures = [0.5, 1.0, 2.0]
+    n_samples = 20000
     n = 0
-    for scale in (0.1, 0.3):
-        logits_p = torch.randn(50, generator=gen, dtype=torch.float64)
-        logits_q = logits_p + scale * torch.randn(50, generator=gen, dtype=torch.float64)
-        case = f"a 50-token vocabulary, q a perturbation of p (scale {scale}), 20000 samples, seed=0"
-        got = call_unmutated(name, case, fn, logits_p, logits_q, 20000, 0)
-        if not isinstance(got, dict) or not {"k1", "k3"} <= set(got):
-            fail(name, case, 'a dict {"k1": (mean, std), "k3": (mean, std)}', got,
-                 "return the mean and standard deviation of each estimator over the samples")
-        logp, logq = torch.log_softmax(logits_p, -1), torch.log_softmax(logits_q, -1)
-        exact = float((logp.exp() * (logp - logq)).sum())
-        stats = {}
-        for key in ("k1", "k3"):
-            mean, std = (float(to_numpy(v)) for v in got[key])
-            if not (std > 0 and abs(mean - exact) < 4 * std / np.sqrt(20000) + 1e-12):
-                fail(name, f"{case}: the {key} estimate", f"a mean within 4 standard errors of KL = {exact:.5f}",
+    for V in (12, 40):
+        logits = 2.5 * torch.randn(V, generator=gen, dtype=torch.float64)
+        case = f"a {V}-token vocabulary, temperatures {temperatures}, {n_samples} samples, seed=0"
+        got = call_unmutated(name, case, fn, logits, list(temperatures), n_samples, 0)
+        if not isinstance(got, dict) or not set(temperatures) <= set(got):
+            fail(name, case, "a dict {temperature: (mean, std)} with a key per temperature", got,
+                 "loop over the temperatures and return the mean and std of -log pi_temp(y) for each")
+        measured = []
+        for temp in temperatures:
+            try:
+                mean, std = (float(to_numpy(v)) for v in got[temp])
+            except (TypeError, ValueError):
+                fail(name, f"{case}, temperature {temp}", "(mean, std), two numbers", got[temp],
+                     "return a pair: the mean and the standard deviation of the surprise")
+            exact = float(kl.entropy(torch.log_softmax(logits / temp, -1)))
+            if not (std > 0 and abs(mean - exact) < 4 * std / np.sqrt(n_samples) + 1e-12):
+                fail(name, f"{case}, temperature {temp}",
+                     f"a mean surprise within 4 standard errors of the entropy H = {exact:.5f}",
                      f"mean {mean:.5f}, std {std:.5f}",
-                     "sample x ~ p with torch.multinomial(p, n, replacement=True, generator=g); r = exp(logq[x] - "
-                     "logp[x]) with log-softmaxed logits; k1 = -log r, k3 = (r - 1) - log r")
-            stats[key] = (mean, std)
-        if not stats["k3"][1] < stats["k1"][1]:
-            fail(name, case, f"k3's std below k1's ({stats['k1'][1]:.5f})", stats["k3"][1],
-                 "k3 adds the control variate (r - 1), which has mean 0 and cancels most of k1's noise")
+                     "sample y ~ softmax(logits / temp) with torch.multinomial(p, n, replacement=True, "
+                     "generator=g), then surprise = -log_softmax(logits / temp)[y]: the same temperature "
+                     "for sampling and for the log-prob, and a minus sign")
+            measured.append(mean)
+        if not all(a < b for a, b in zip(measured, measured[1:])):
+            fail(name, case, "entropies rising with the temperature", measured,
+                 "a higher temperature flattens the distribution, so its entropy is larger")
         n += 1
     passed(name, n)
+

@@ -22,6 +22,14 @@ from rlcourse.tools.execute import KERNELSPEC  # the kernel `make env` installs:
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 ROOT = Path(__file__).resolve().parents[2]
 _DEF = re.compile(r"^\s*def\s+(\w+)\s*\(")
+# A lesson's file name: two digits, an optional letter for a lesson inserted after another
+# (07b comes after 07 and before 08), an underscore, the topic.
+LESSON_NAME = re.compile(r"\d\d[a-z]?_\w+\.ipynb")
+
+
+def lesson_notebooks(folder: Path) -> list[Path]:
+    """The lesson notebooks in ``folder``, in course order (``07_...`` < ``07b_...`` < ``08_...``)."""
+    return sorted(p for p in Path(folder).glob("*.ipynb") if LESSON_NAME.fullmatch(p.name))
 
 
 def stub_source(source: str, notebook_name: str) -> str:
@@ -80,7 +88,7 @@ def expected_exercises(root: Path = ROOT) -> dict[Path, str]:
     """Map each exercise path and each check manifest to the text it should have, from the solutions."""
     result = {}
     manifests = root / checkcells.MANIFESTS.relative_to(ROOT)
-    for path in sorted((root / "solutions").glob("[0-9][0-9]_*.ipynb")):
+    for path in lesson_notebooks(root / "solutions"):
         nb = make_exercise(nbformat.read(path, as_version=4), path.name)
         result[root / "exercises" / path.name] = render(nb)
         result[manifests / (path.stem + ".json")] = checkcells.render_manifest(path.name, nb.metadata.rlcourse.checks)
