@@ -135,6 +135,7 @@ class _Batch:
     prompt_mask: torch.Tensor | None = None
     completion_ids: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None        # what the advantages come from (after kl_in_reward)
     advantages: torch.Tensor | None = None     # None: nothing to learn from, the step is skipped
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
@@ -236,7 +237,7 @@ class PolicyGradientTrainer:
         if c.kl_in_reward and b.ref_logprobs is not None:   # TRL's RLOO: r - beta * sum_t (log pi_old - log pi_ref)
             old_now = self._logits_and_logprobs(self.model, b)[1]
             shaped = rewards - c.beta * kl_k1(old_now, b.ref_logprobs, mask).sum(1)
-        b.advantages = self._advantages(shaped)
+        b.rewards, b.advantages = shaped, self._advantages(shaped)
         if c.num_iterations > 1:
             b.old_logprobs = self._logits_and_logprobs(self.model, b)[1]
         return b
