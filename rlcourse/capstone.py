@@ -6,8 +6,9 @@ answers are right, so besides how often an algorithm answers validly we can ask 
 valid answers stay. Every algorithm gets the same number of sampled completions (``budget``):
 
 * the critic-free family through :class:`~rlcourse.lm.policy_gradient.PolicyGradientTrainer`:
-  REINFORCE (moving-average baseline), RLOO, GRPO, Dr. GRPO, DAPO (clip-higher + token mean) and
-  GSPO (sequence-level ratio, two iterations per batch);
+  REINFORCE (moving-average baseline), RLOO, GRPO, Dr. GRPO, DAPO (clip-higher + token mean +
+  dynamic sampling, whose extra generation batches count against the budget) and GSPO
+  (sequence-level ratio, two iterations per batch);
 * PPO with a learned critic (:class:`~rlcourse.lm.ppo_rlhf.PPORLHFTrainer`), scored by the same
   verifier instead of a learned reward model: the RLHF machinery with a perfect reward;
 * DPO (+ an NLL term, RPO) on pairs built from the SFT model's own samples (valid = chosen, invalid
@@ -77,7 +78,8 @@ def _pg_trainer(name, model, tokenizer, task, cfg, seed):
     settings = {"learning_rate": cfg.learning_rate, "per_device_train_batch_size": cfg.batch,
                 "num_generations": 8, "seed": seed, **_PG[name]}
     trainer = PolicyGradientTrainer(model, tokenizer, task, PolicyGradientConfig(**settings))
-    return lambda: trainer.step() and cfg.batch
+    # dynamic sampling (DAPO) may draw several generation batches per step: count every one of them
+    return lambda: cfg.batch * int(trainer.step()["num_gen_batches"])
 
 
 def _ppo_trainer(model, tokenizer, task, cfg, seed):
@@ -159,8 +161,7 @@ def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=Non
                 _rft_trainer(model, tokenizer, task, cfg, seed))
         while samples < cfg.budget:
             start = time.perf_counter()
-            step()
-            samples += cfg.batch
+            samples += step()            # completions sampled by this step
             seconds += time.perf_counter() - start
             if marks and samples >= marks[0]:
                 marks.pop(0)

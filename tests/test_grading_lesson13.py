@@ -15,8 +15,9 @@ def kwargs_by_hand(config, task):
     out = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if f.name in ("std_floor", "advantage_estimator", "baseline_decay", "kl_in_reward", "dynamic_sampling"):
-            if f.name != "baseline_decay" and value != f.default:
+        if f.name in ("std_floor", "advantage_estimator", "baseline_decay", "kl_in_reward", "dynamic_sampling",
+                      "max_num_gen_batches"):
+            if f.name not in ("baseline_decay", "max_num_gen_batches") and value != f.default:
                 raise ValueError(f"{f.name} has no GRPOConfig equivalent")
             continue
         out[f.name] = value

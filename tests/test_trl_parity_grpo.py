@@ -1,6 +1,9 @@
 """Parity with TRL 1.16: our GRPO/RLOO advantages, per-token losses, losses and gradients equal what
 TRL's own GRPOTrainer and RLOOTrainer compute on the same fixed inputs (their code is run, not copied).
 
+RLOO with ``beta > 0`` (TRL puts the k1 KL in the reward) goes through our trainer's own
+``make_batch`` and loss, with sampling replaced by the fixed completions.
+
 One trainer per module (building one takes about a second); each case sets the trainer's
 attributes that TRL's ``_compute_loss`` reads (``loss_type``, ``importance_sampling_level``,
 ``beta``, ``epsilon_low``/``epsilon_high``), then compares.
@@ -167,3 +170,75 @@ def test_rloo_advantages_loss_and_gradient_match_trl(setup):
     assert torch.allclose(loss.detach(), expected.detach(), atol=1e-6, rtol=0)
     assert torch.allclose(_grads(model), expected_grad, atol=1e-6, rtol=1e-5)
     assert expected_grad.abs().max() > 1e-4
+
+
+class _FixedTask:
+    """The parity batch as a task: the fixture's prompts and rewards, whatever was sampled."""
+
+    max_new_tokens = MAX_LEN
+
+    def prompts(self, n, rng=None):
+        return PROMPTS[:n]
+
+    def reward(self, prompts, completions):
+        return REWARDS.clone()
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_rloo_kl_in_reward_matches_trl(setup, monkeypatch, request, mask_truncated):
+    """beta > 0: TRL's RLOOTrainer subtracts beta * sum_t (log pi_old - log pi_ref) from each reward
+    before the leave-one-out baseline. Our trainer's own path (make_batch, then its loss) on the same
+    completions must give the same shaped rewards, advantages, loss and gradients."""
+    import trl.trainer.rloo_trainer as rloo_module
+
+    from rlcourse.lm import Rollout
+    from rlcourse.lm import policy_gradient
+    from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+
+    trainer, b, tokenizer = setup["rloo"], setup["batch"], setup["tokenizer"]
+    beta = 0.1
+    # TRL's own reference model plus fixed noise, put back afterwards: a reference that differs from
+    # the policy. (Not a copy: TRL patches its models' forward, and a deepcopy keeps calling the original.)
+    ref = trainer.ref_model
+    saved = {k: v.clone() for k, v in ref.state_dict().items()}
+    request.addfinalizer(lambda: ref.load_state_dict(saved))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    monkeypatch.setattr(trainer, "beta", beta)
+    monkeypatch.setattr(trainer, "mask_truncated_completions", mask_truncated)
+    monkeypatch.setattr(trainer, "epsilon_low", 0.2)
+    monkeypatch.setattr(trainer, "epsilon_high", 0.28)
+    # TRL hands the per-sequence KL to accelerate's gather before subtracting it: record it there.
+    gathered, real_gather = [], rloo_module.gather
+    monkeypatch.setattr(rloo_module, "gather", lambda t: gathered.append(t.clone()) or real_gather(t))
+    out = _trl_advantages(trainer, setup["rows"], b["completion_ids"], b["completion_mask"], tokenizer)
+    trl_kl = next(t for t in gathered if t.ndim == 1)
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    expected_loss = trainer.compute_loss(model, out)
+    expected_loss.backward()
+    expected_grad = _grads(model)
+
+    rollout = Rollout(prompt_ids=b["prompt_ids"], prompt_mask=b["prompt_mask"], completion_ids=b["completion_ids"],
+                      completion_mask=b["completion_mask"], logprobs=torch.zeros(b["completion_ids"].shape),
+                      prompts=setup["rows"], completions=[""] * len(setup["rows"]),
+                      eos_token_id=tokenizer.eos_token_id)
+    monkeypatch.setattr(policy_gradient, "sample", lambda *args, **kwargs: rollout)
+    ours = PolicyGradientTrainer(model, tokenizer, _FixedTask(), PolicyGradientConfig(
+        per_device_train_batch_size=len(setup["rows"]), num_generations=K, max_completion_length=MAX_LEN,
+        advantage_estimator="rloo", loss_type="rloo", kl_in_reward=True, beta=beta, epsilon=0.2, epsilon_high=0.28,
+        mask_truncated_completions=mask_truncated), ref_model=ref)
+    batch = ours.make_batch()
+    assert torch.equal(batch.loss_mask, out["completion_mask"])
+    assert torch.allclose(batch.rewards, REWARDS - beta * trl_kl, atol=1e-6, rtol=0)
+    assert torch.allclose(batch.advantages, out["advantages"], atol=1e-6, rtol=0)
+    model.zero_grad(set_to_none=True)
+    loss, _ = ours._loss(batch)
+    loss.backward()
+    assert torch.allclose(loss.detach(), expected_loss.detach(), atol=1e-6, rtol=0)
+    assert torch.allclose(_grads(model), expected_grad, atol=1e-6, rtol=1e-5)
+    # the penalty is real: it moved the advantages away from beta = 0's, and the gradient is not zero
+    assert (out["advantages"] - leave_one_out_advantages(REWARDS, K)).abs().max() > 1e-2
+    assert trl_kl.abs().max() > 0.1 and expected_grad.abs().max() > 1e-4

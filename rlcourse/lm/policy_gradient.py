@@ -5,9 +5,11 @@ Pseudocode of one step (every formula lives in :mod:`rlcourse.losses.grpo`):
     prompts  <- n prompts, each repeated num_generations times (a group)
     y        <- sample(pi_theta, prompts) at `temperature`            # rlcourse.lm.sample
     r        <- task.reward(prompts, y)                               # one scalar per completion
+    [dynamic_sampling (DAPO): keep the groups whose r are not all equal, draw fresh prompts and
+     repeat until n such groups or max_num_gen_batches draws; keep the first n]
+                                                      # rlcourse.lm.dynamic_sampling.fill_batch
     r        <- r - beta * sum_t k1_t                 (kl_in_reward: RLOO's KL in the reward)
     A        <- advantages(r)                         (grpo | rloo | batch_mean | moving_average)
-    [drop groups whose rewards are all equal]         (dynamic_sampling, DAPO)
     logp_old <- log pi_theta(y) now, without grad     (only when num_iterations > 1)
     repeat num_iterations times:
         logp <- log pi_theta(y) at `temperature`       # rlcourse.lm.logprobs
@@ -28,6 +30,7 @@ import torch
 
 from rlcourse.kl import entropy as exact_entropy
 from rlcourse.kl import kl_k1, kl_k3
+from rlcourse.lm.dynamic_sampling import fill_batch, informative_groups
 from rlcourse.lm.logprobs import completion_logits, token_logprobs_from_logits
 from rlcourse.lm.sampling import sample
 from rlcourse.losses import masked_mean
@@ -49,9 +52,26 @@ class PolicyGradientConfig:
     * ``max_completion_length`` ``None`` = the task's ``max_new_tokens`` (TRL: 512);
     * ``std_floor`` is ours (TRL adds a fixed 1e-4 to the std); groups of exactly equal rewards
       get exactly 0 advantage here;
-    * ``advantage_estimator``, ``baseline_decay``, ``kl_in_reward`` and ``dynamic_sampling`` are
-      ours: TRL picks the estimator by trainer class (GRPOTrainer: ``grpo``, RLOOTrainer: ``rloo``
-      with ``kl_in_reward=True`` and ``loss_type="rloo"``), and has no dynamic sampling.
+    * ``advantage_estimator``, ``baseline_decay``, ``kl_in_reward``, ``dynamic_sampling`` and
+      ``max_num_gen_batches`` are ours: TRL picks the estimator by trainer class (GRPOTrainer:
+      ``grpo``, RLOOTrainer: ``rloo`` with ``kl_in_reward=True`` and ``loss_type="rloo"``), and has
+      no dynamic sampling.
+
+    ``kl_in_reward`` (with ``beta > 0``) is TRL's RLOOTrainer's penalty: each completion's reward
+    becomes ``r - beta * sum_t (log pi_old(y_t) - log pi_ref(y_t))``, the k1 estimator summed over
+    the completion's loss-mask tokens (truncated completions count 0 tokens under
+    ``mask_truncated_completions``), subtracted *before* the advantage is computed; the loss then
+    has no KL term. GRPOTrainer's ``beta`` instead puts k3 in the loss (``kl_in_reward=False``).
+
+    ``dynamic_sampling=True`` is DAPO's (Yu et al., 2025, arXiv 2503.14476): groups whose task
+    rewards are all equal are dropped, and fresh prompts are drawn, one generation batch of
+    ``per_device_train_batch_size // num_generations`` prompts at a time, until that many groups
+    with unequal rewards are collected or ``max_num_gen_batches`` generation batches were drawn
+    (verl's name; an integer >= 1, default 4; verl's 0 = "no cap" is refused here). A full batch is
+    trained on exactly (extra groups of the last draw are left out); after the cap, whatever was
+    collected is, and a step with nothing collected is skipped. ``num_gen_batches`` logs the draws;
+    ``reward``, ``reward_std``, ``frac_reward_zero_std`` and the ``completions/*`` metrics are over
+    every completion drawn in the step. ``max_num_gen_batches=1`` only drops (the batch shrinks).
 
     ``loss_type`` is one of ``grpo, bnpo, dr_grpo, dapo, cispo, sapo`` (TRL's default ``dapo``) or
     ``rloo`` (RLOOTrainer's loss: PPO-clip on the whole-sequence ratio).
@@ -80,6 +100,7 @@ class PolicyGradientConfig:
     baseline_decay: float = 0.9
     kl_in_reward: bool = False
     dynamic_sampling: bool = False
+    max_num_gen_batches: int = 4
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
@@ -99,17 +120,25 @@ class PolicyGradientConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta!r}")
+        if (not isinstance(self.max_num_gen_batches, int) or isinstance(self.max_num_gen_batches, bool)
+                or self.max_num_gen_batches < 1):
+            raise ValueError(f"max_num_gen_batches must be an integer >= 1 (a cap on generation batches per "
+                             f"step; there is no 'unlimited'), got {self.max_num_gen_batches!r}")
+        if self.dynamic_sampling and self.num_generations < 2:
+            raise ValueError("dynamic_sampling needs num_generations >= 2: a group of one completion always "
+                             "has all-equal rewards, so every group would be dropped")
 
 
 @dataclass
 class _Batch:
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    completion_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    advantages: torch.Tensor
-    old_logprobs: torch.Tensor | None
-    ref_logprobs: torch.Tensor | None
+    prompt_ids: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+    completion_ids: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None        # what the advantages come from (after kl_in_reward)
+    advantages: torch.Tensor | None = None     # None: nothing to learn from, the step is skipped
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
     metrics: dict = field(default_factory=dict)
 
 
@@ -156,47 +185,60 @@ class PolicyGradientTrainer:
         self.baseline = moving_average_baseline(self.baseline, rewards, c.baseline_decay)
         return rewards - baseline                      # the baseline from *before* this batch
 
-    @torch.no_grad()
-    def make_batch(self) -> _Batch:
-        """Sample, score and compute advantages for one step's completions."""
+    def _draw(self, n_prompts: int):
+        """One generation batch: ``n_prompts`` fresh prompts, ``num_generations`` completions each, scored."""
         c = self.config
-        n_prompts = c.per_device_train_batch_size // c.num_generations
         prompts = [p for p in self.task.prompts(n_prompts, self.rng) for _ in range(c.num_generations)]
         roll = sample(self.model, self.tokenizer, prompts, self.max_len, temperature=c.temperature,
                       generator=self.generator)
         rewards = torch.as_tensor(self.task.reward(prompts, roll.completions), dtype=torch.float32).to(self.device)
         if rewards.shape != (len(prompts),) or bool(torch.isnan(rewards).any()):
             raise ValueError(f"task.reward must return one finite reward per completion, got {rewards}")
+        return roll, rewards
+
+    def _sample_groups(self):
+        """The step's completions and rewards (refilled by dynamic sampling), and every draw made."""
+        c = self.config
+        n_groups = c.per_device_train_batch_size // c.num_generations
+        if not c.dynamic_sampling:
+            roll, rewards = self._draw(n_groups)
+            return roll, rewards, [(roll, rewards)]
+        return fill_batch(lambda: self._draw(n_groups), n_groups, c.num_generations, c.max_num_gen_batches,
+                          self.tokenizer.pad_token_id)
+
+    @staticmethod
+    def _draw_metrics(drawn, num_generations: int) -> dict:
+        """TRL's sampling metrics over every completion drawn this step (kept or not)."""
+        rewards = torch.cat([r for _, r in drawn])
+        lengths = torch.cat([roll.completion_mask.sum(1) for roll, _ in drawn]).float()
+        truncated = torch.cat([~roll.finished for roll, _ in drawn]).float()
+        zero_std = ~informative_groups(rewards, num_generations)
+        return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                "frac_reward_zero_std": float(zero_std.float().mean()),
+                "completions/mean_length": float(lengths.mean()),
+                "completions/clipped_ratio": float(truncated.mean()), "num_gen_batches": float(len(drawn))}
+
+    @torch.no_grad()
+    def make_batch(self) -> _Batch:
+        """Sample, score and compute advantages for one step's completions (``advantages`` None: skip)."""
+        c = self.config
+        roll, rewards, drawn = self._sample_groups()
+        metrics = self._draw_metrics(drawn, c.num_generations)
+        if roll is None:                         # dynamic sampling found no group with a signal
+            return _Batch(metrics=metrics)
         mask = roll.completion_mask
-        truncated = ~roll.finished
         if c.mask_truncated_completions:
-            mask = mask * (~truncated).long()[:, None]
-        b = _Batch(roll.prompt_ids, roll.prompt_mask, roll.completion_ids, mask, rewards, None, None)
-        ref = None
-        if self.ref_model is not None and (c.beta > 0):
-            ref = self._logits_and_logprobs(self.ref_model, b)[1]
+            mask = mask * roll.finished.long()[:, None]
+        b = _Batch(roll.prompt_ids, roll.prompt_mask, roll.completion_ids, mask, metrics=metrics)
+        if float(mask.sum()) == 0:
+            return b                             # nothing to learn from in this batch
+        if self.ref_model is not None and c.beta > 0:
+            b.ref_logprobs = self._logits_and_logprobs(self.ref_model, b)[1]
         shaped = rewards
-        if c.kl_in_reward and ref is not None:   # RLOO: r - beta * sum_t (log pi_old - log pi_ref)
+        if c.kl_in_reward and b.ref_logprobs is not None:   # TRL's RLOO: r - beta * sum_t (log pi_old - log pi_ref)
             old_now = self._logits_and_logprobs(self.model, b)[1]
-            shaped = rewards - c.beta * (kl_k1(old_now, ref) * mask).sum(1)
-        advantages = self._advantages(shaped)
-        grouped = rewards.view(-1, c.num_generations)
-        zero_std = (grouped == grouped[:, :1]).all(1)
-        lengths = roll.completion_mask.sum(1).float()
-        b.metrics = {"reward": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-                     "frac_reward_zero_std": float(zero_std.float().mean()),
-                     "completions/mean_length": float(lengths.mean()),
-                     "completions/clipped_ratio": float(truncated.float().mean())}
-        keep = torch.ones_like(rewards, dtype=torch.bool)
-        if c.dynamic_sampling:                   # DAPO: drop groups with no learning signal
-            keep = (~zero_std).repeat_interleave(c.num_generations)
-        if not bool(keep.any()) or float(mask[keep].sum()) == 0:
-            b.advantages = None                  # nothing to learn from in this batch
-            return b
-        for name in ("prompt_ids", "prompt_mask", "completion_ids", "loss_mask"):
-            setattr(b, name, getattr(b, name)[keep])
-        b.advantages = advantages[keep]
-        b.ref_logprobs = ref[keep] if ref is not None else None
+            shaped = rewards - c.beta * kl_k1(old_now, b.ref_logprobs, mask).sum(1)
+        b.rewards, b.advantages = shaped, self._advantages(shaped)
         if c.num_iterations > 1:
             b.old_logprobs = self._logits_and_logprobs(self.model, b)[1]
         return b
