@@ -232,12 +232,12 @@ def test_rloo_kl_in_reward_matches_trl(setup, monkeypatch, request, mask_truncat
         mask_truncated_completions=mask_truncated), ref_model=ref)
     batch = ours.make_batch()
     assert torch.equal(batch.loss_mask, out["completion_mask"])
-    assert torch.allclose(batch.rewards, REWARDS - beta * trl_kl, atol=1e-6, rtol=0)
-    assert torch.allclose(batch.advantages, out["advantages"], atol=1e-6, rtol=0)
+    assert torch.allclose(batch.rewards.double(), REWARDS.double() - beta * trl_kl.double(), atol=1e-6, rtol=0)
+    assert torch.allclose(batch.advantages.double(), out["advantages"].double(), atol=1e-6, rtol=0)
     model.zero_grad(set_to_none=True)
     loss, _ = ours._loss(batch)
     loss.backward()
-    assert torch.allclose(loss.detach(), expected_loss.detach(), atol=1e-6, rtol=0)
+    assert torch.allclose(loss.detach().double(), expected_loss.detach().double(), atol=1e-6, rtol=0)
     assert torch.allclose(_grads(model), expected_grad, atol=1e-6, rtol=1e-5)
     # the penalty is real: it moved the advantages away from beta = 0's, and the gradient is not zero
     assert (out["advantages"] - leave_one_out_advantages(REWARDS, K)).abs().max() > 1e-2
