@@ -10,7 +10,7 @@ Each task makes prompts, demonstrations in TRL's data formats, and scores comple
 
 Completions are the decoded text *without* special tokens; the SFT trainer appends ``<eos>``.
 
-The three tasks:
+The tasks:
 
 * :class:`AdditionTask` - ``"12+34="`` -> ``"46"``, with an exact-match and a partial-credit reward.
 * :class:`PreferenceTask` - a hidden "gold" score; noisy Bradley-Terry comparisons of pairs make
@@ -18,6 +18,8 @@ The three tasks:
 * :class:`DigitSumTask` - ``"S=07:"`` -> K digits summing to S. Many answers are right, and the
   demonstrations are noisy (a fixed fraction is wrong), so imitation can at best reproduce the
   demonstrators' quality while a verifier's reward lets RL go past it.
+* :class:`FillerAdditionTask` - ``"12+34="`` -> ``"...46"``: filler "thinking" dots, then the sum,
+  right only within a budget of dots. Completion lengths vary, and a wrong answer can be long.
 """
 from __future__ import annotations
 
@@ -223,3 +225,60 @@ class DigitSumTask:
             if self.is_valid(p, c):
                 answers[p].add(c)
         return float(np.mean([len(v) for v in answers.values()])) if answers else 0.0
+
+
+class FillerAdditionTask(AdditionTask):
+    """``"12+34="`` answered with filler dots, then the sum: ``"...46"``, within a thinking budget.
+
+    The dots stand for the "thinking" tokens of a reasoning model: they carry no information. The
+    reward is 1 when the completion is at most ``budget`` dots followed by exactly the sum, else 0:
+    thinking past the budget fails, as a reasoning model fails when it runs out of room. The
+    demonstrators think for a uniform 0..``max_filler`` dots, so the ones that think longer than
+    ``budget`` are wrong demonstrations, and a policy imitating them produces completions whose
+    length varies. Once a completion is past the budget it is wrong whatever follows, and
+    ``max_new_tokens`` leaves room for it to grow ``max_filler`` dots longer than any
+    demonstration: the room in which lesson 10 measures whether wrong answers grow. Prompts, the
+    held-out split and :meth:`answer` are :class:`AdditionTask`'s.
+    """
+
+    FILLER = "."
+
+    def __init__(self, n_digits: int = 2, max_filler: int = 12, budget: int = 3, test_fraction: float = 0.1):
+        if not isinstance(max_filler, int) or not 0 <= max_filler <= 24:
+            raise ValueError(f"max_filler must be an integer in [0, 24], got {max_filler!r}")
+        if not isinstance(budget, int) or not 0 <= budget <= max_filler:
+            raise ValueError(f"budget must be an integer in [0, max_filler={max_filler}], got {budget!r}")
+        super().__init__(n_digits=n_digits, test_fraction=test_fraction, reward_kind="exact")
+        self.max_filler, self.budget = max_filler, budget
+        # The longest demonstration (max_filler dots, n_digits + 1 digits, <eos>) plus max_filler more dots.
+        self.max_new_tokens = 2 * max_filler + n_digits + 2
+
+    def __repr__(self):
+        return f"FillerAdditionTask(n_digits={self.n_digits}, max_filler={self.max_filler}, budget={self.budget})"
+
+    def demonstration(self, prompt: str, rng=None) -> str:
+        """The sum after a uniformly random number of dots in ``[0, max_filler]`` (over budget: wrong)."""
+        dots = int(_rng(rng).integers(0, self.max_filler + 1))
+        return self.FILLER * dots + self.answer(prompt)
+
+    def sft_dataset(self, n: int, rng=None) -> list[dict]:
+        """``n`` training examples ``{"prompt": "12+34=", "completion": "...46"}``."""
+        rng = _rng(rng)
+        return [{"prompt": p, "completion": self.demonstration(p, rng)} for p in self.prompts(n, rng)]
+
+    def split(self, completion: str) -> tuple[int, str]:
+        """``(number of leading dots, what follows them)``: ``(3, "46")`` for ``"...46"``."""
+        answer = completion.lstrip(self.FILLER)
+        return len(completion) - len(answer), answer
+
+    def is_right(self, prompt: str, completion: str) -> bool:
+        dots, answer = self.split(completion)
+        return dots <= self.budget and answer == self.answer(prompt)
+
+    def reward(self, prompts: list[str], completions: list[str], kind: str | None = None) -> torch.Tensor:
+        """1 for at most ``budget`` dots followed by exactly the sum, else 0."""
+        if kind not in (None, "exact"):
+            raise ValueError(f"FillerAdditionTask has only the 'exact' reward, got kind={kind!r}")
+        _check_pairs(prompts, completions)
+        return torch.tensor([float(self.is_right(p, c)) for p, c in zip(prompts, completions)],
+                            dtype=torch.float32)

@@ -12,6 +12,9 @@ Training is seeded; the numbers in ``recipe.json`` were measured at the end of t
                          demonstrations (~40% < 50%); greedy decoding picks the mode and does
                          better (~68%). RL with the verifier goes past both (lessons 09-12).
 * ``preference-sft``   - the base policy of the preference task: random short words.
+* ``filler-addition``  - "12+34=" -> "...46": 0-12 filler dots, then the sum; the task scores only
+                         answers after at most 3 dots, so most demonstrations (and samples) run
+                         over budget. Completions vary in length: lesson 10's length-bias runs.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import torch
 from rlcourse.lm.checkpoints import CHECKPOINT_DIR, save_checkpoint
 from rlcourse.lm.model import count_parameters, make_model
 from rlcourse.lm.sft import exact_match, train_sft
-from rlcourse.lm.tasks import AdditionTask, DigitSumTask, PreferenceTask
+from rlcourse.lm.tasks import AdditionTask, DigitSumTask, FillerAdditionTask, PreferenceTask
 from rlcourse.lm.tokenizer import build_char_tokenizer
 
 RECIPES = {
@@ -40,8 +43,11 @@ RECIPES = {
                          size="tiny", n_examples=20000, steps=3000, lr=3e-3, batch_size=128, seed=0),
     "preference-sft": dict(task="PreferenceTask", task_kwargs=dict(), size="tiny",
                            n_examples=20000, steps=800, lr=3e-3, batch_size=128, seed=0),
+    "filler-addition": dict(task="FillerAdditionTask", task_kwargs=dict(n_digits=2, max_filler=12, budget=3),
+                            size="tiny", n_examples=20000, steps=1500, lr=3e-3, batch_size=128, seed=0),
 }
-TASKS = {"AdditionTask": AdditionTask, "DigitSumTask": DigitSumTask, "PreferenceTask": PreferenceTask}
+TASKS = {"AdditionTask": AdditionTask, "DigitSumTask": DigitSumTask, "FillerAdditionTask": FillerAdditionTask,
+         "PreferenceTask": PreferenceTask}
 
 
 def make_task(recipe: dict):
