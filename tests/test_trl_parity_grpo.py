@@ -242,3 +242,25 @@ def test_rloo_kl_in_reward_matches_trl(setup, monkeypatch, request, mask_truncat
     # the penalty is real: it moved the advantages away from beta = 0's, and the gradient is not zero
     assert (out["advantages"] - leave_one_out_advantages(REWARDS, K)).abs().max() > 1e-2
     assert trl_kl.abs().max() > 0.1 and expected_grad.abs().max() > 1e-4
+
+
+def test_frozen_copy_of_a_trl_prepared_model_runs_its_own_weights(setup):
+    """accelerate patches an instance ``forward`` bound to the original model; a plain deepcopy keeps
+    calling it, so a "reference" made that way returns the policy's outputs (a KL of 0, silently).
+    ``frozen_copy`` (every trainer's default reference) must compute with its own weights."""
+    import copy
+
+    from rlcourse.lm import frozen_copy
+
+    model, ids = setup["grpo"].model, setup["batch"]["prompt_ids"]
+    naive, reference = copy.deepcopy(model), frozen_copy(model)
+    with torch.no_grad():
+        for m in (naive, reference):
+            for p in m.parameters():
+                p.add_(0.1)
+        base = model(input_ids=ids).logits
+        assert torch.equal(naive(input_ids=ids).logits, base)            # the trap, as TRL 1.16 prepares models
+        ours = reference(input_ids=ids).logits
+        assert not torch.allclose(ours, base)
+        assert torch.equal(ours, type(reference).forward(reference, input_ids=ids).logits)
+    assert not reference.training and not any(p.requires_grad for p in reference.parameters())

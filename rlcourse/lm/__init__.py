@@ -10,7 +10,7 @@ from rlcourse.lm.checkpoints import (available_checkpoints, checkpoint_info, loa
                                      save_checkpoint)
 from rlcourse.lm.logprobs import (next_token_logprobs, position_ids_from_mask, sequence_logprobs,
                                   token_logprobs_from_logits)
-from rlcourse.lm.model import SIZES, count_parameters, make_model
+from rlcourse.lm.model import SIZES, count_parameters, frozen_copy, make_model
 from rlcourse.lm.sampling import Rollout, sample
 from rlcourse.lm.sft import exact_match, train_sft
 from rlcourse.lm.tasks import AdditionTask, DigitSumTask, FillerAdditionTask, PreferenceTask
@@ -19,7 +19,7 @@ from rlcourse.lm.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 __all__ = [
     "AdditionTask", "DEFAULT_ALPHABET", "DigitSumTask", "FillerAdditionTask", "PreferenceTask", "Rollout", "SIZES",
     "available_checkpoints", "build_char_tokenizer", "checkpoint_info", "count_parameters",
-    "exact_match", "load_checkpoint", "make_model", "next_token_logprobs", "position_ids_from_mask",
+    "exact_match", "frozen_copy", "load_checkpoint", "make_model", "next_token_logprobs", "position_ids_from_mask",
     "sample", "save_checkpoint", "sequence_logprobs", "token_logprobs_from_logits", "train_sft",
 ]
 

@@ -21,7 +21,6 @@ log-probs are the ones :func:`rlcourse.lm.sample` gives the same tokens.
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from tqdm.auto import tqdm
 from rlcourse.kl import exact_kl
 from rlcourse.losses.dpo import LOSS_TYPES, dpo_implicit_reward, preference_loss
 from rlcourse.lm.logprobs import next_token_logprobs, sequence_logprobs
+from rlcourse.lm.model import frozen_copy
 from rlcourse.lm.reward_model import encode_preference_pairs
 from rlcourse.lm.sampling import sample
 from rlcourse.lm.tokenizer import check_encodable
@@ -171,7 +171,7 @@ def train_dpo(model, tokenizer, pairs: list[dict], args: DPOConfig | None = None
     bs = args.per_device_train_batch_size
     steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * math.ceil(n / bs))
     if ref_model is None:
-        ref_model = copy.deepcopy(model)
+        ref_model = frozen_copy(model)
     ref_model.eval()  # its forwards run under no_grad
     ref_table = None
     if args.precompute_ref_log_probs:

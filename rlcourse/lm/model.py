@@ -63,6 +63,22 @@ def make_model(size: str, tokenizer, dropout: float = 0.0, seed: int | None = No
     return model
 
 
+def frozen_copy(model):
+    """A frozen reference model: an independent copy of ``model``, in eval mode, without gradients.
+
+    ``copy.deepcopy`` alone is not enough for a model that accelerate (and so TRL) has prepared:
+    preparing sets an instance attribute ``forward`` that wraps the *original* model's bound
+    forward, the copy inherits that attribute, and the "reference" then computes the policy's own
+    outputs: a KL of exactly 0, silently. Dropping the attribute gives the copy its class's forward
+    over its own weights.
+    """
+    import copy
+
+    reference = copy.deepcopy(model)
+    vars(reference).pop("forward", None)
+    return reference.eval().requires_grad_(False)
+
+
 def count_parameters(model) -> int:
     """Number of distinct parameters (the tied input/output embedding counted once)."""
     return sum(p.numel() for p in model.parameters())

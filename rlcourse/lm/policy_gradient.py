@@ -22,7 +22,6 @@ the logged metrics use TRL's names. Any ``transformers`` causal LM with a tokeni
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -31,6 +30,7 @@ import torch
 from rlcourse.kl import entropy as exact_entropy
 from rlcourse.kl import kl_k1, kl_k3
 from rlcourse.lm.dynamic_sampling import fill_batch, informative_groups
+from rlcourse.lm.model import frozen_copy
 from rlcourse.lm.logprobs import completion_logits, token_logprobs_from_logits
 from rlcourse.lm.sampling import sample
 from rlcourse.losses import masked_mean
@@ -157,7 +157,7 @@ class PolicyGradientTrainer:
         c = self.config
         self.max_len = c.max_completion_length or task.max_new_tokens
         if c.beta > 0 and ref_model is None:
-            ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            ref_model = frozen_copy(model)
         self.ref_model = ref_model
         # foreach: one kernel per operation over all parameters, not one per tensor (same numbers).
         self.optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=c.learning_rate, foreach=True)

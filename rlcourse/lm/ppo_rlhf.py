@@ -20,7 +20,6 @@ Each step is a method of :class:`PPORLHFTrainer`, so a lesson can override one t
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ from tqdm.auto import tqdm
 
 from rlcourse.kl import KL_ESTIMATORS
 from rlcourse.lm.logprobs import sequence_logprobs
+from rlcourse.lm.model import frozen_copy
 from rlcourse.lm.reward_model import last_real_index, score_completions
 from rlcourse.lm.sampling import sample
 from rlcourse.lm.value_model import token_values
@@ -158,9 +158,7 @@ class PPORLHFTrainer:
         if config.disable_dropout:
             for model in (policy, value_model):
                 disable_dropout(model)
-        self.ref_policy = copy.deepcopy(policy).eval()
-        for p in self.ref_policy.parameters():  # our own copy; the reward model is only used under no_grad
-            p.requires_grad_(False)
+        self.ref_policy = frozen_copy(policy)  # our own copy; the reward model is only used under no_grad
         self.device = next(policy.parameters()).device
         self.optimizer = torch.optim.AdamW([*policy.parameters(), *value_model.parameters()],
                                            lr=config.learning_rate, weight_decay=0.0)
