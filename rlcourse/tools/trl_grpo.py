@@ -95,6 +95,10 @@ def main(argv=None) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
+    # Every rank waits here for rank 0's evaluation, so that no rank exits while another still talks to
+    # it: a rank that left early sometimes died in C++ at exit ("terminate called without an active
+    # exception", SIGABRT), which failed the whole launch.
+    trainer.accelerator.wait_for_everyone()
     return 0
 
 
