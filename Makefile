@@ -11,8 +11,9 @@ PROFILE  ?= laptop
 # The test suite runs the notebooks under the smaller `ci` profile; each still asserts its promise.
 TEST_PROFILE ?= ci
 
-# torch ran 10-15x slower on a loaded 2-core machine without a passive OpenMP wait policy.
+# How OpenMP threads wait: why these two, see rlcourse/__init__.py (which sets them too).
 export OMP_WAIT_POLICY := PASSIVE
+export GOMP_SPINCOUNT := 1000
 # Nothing in the course downloads anything.
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1

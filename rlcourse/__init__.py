@@ -1,14 +1,23 @@
 """rlcourse: tested reference implementations behind the course notebooks.
 
-Import this package before torch. It sets ``OMP_WAIT_POLICY=PASSIVE`` first (unless already set):
-on a busy 2-core machine, OpenMP threads that spin while waiting made torch 10-15x slower.
-That is its only change to the process environment. The course stays offline without touching
-the Hugging Face settings of the user's process: rlcourse loads its checkpoints from local
-folders with ``local_files_only=True``, and ``make`` exports ``HF_HUB_OFFLINE=1`` for the lessons.
+Import this package before torch. It sets how OpenMP threads wait (:data:`OPENMP_DEFAULTS`, each
+unless already set); that is its only change to the process environment. The course stays offline
+without touching the Hugging Face settings of the user's process: rlcourse loads its checkpoints
+from local folders with ``local_files_only=True``, and ``make`` exports ``HF_HUB_OFFLINE=1`` for
+the lessons.
 """
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How torch's OpenMP threads wait between parallel operations, measured on the 2-core course machine
+# (BENCHMARKS.md, "OpenMP waiting"). OpenMP's default, spinning for ~3 ms, made torch 10-15x slower
+# whenever another process was busy: the spinning thread holds the core the other one needs.
+# Sleeping at once (PASSIVE) makes every small parallel op wait for its helper thread to wake up
+# (~50 us here): a GRPO step on the tiny GPT took 28 ms. A short spin first (GOMP_SPINCOUNT=1000,
+# about 10 us) brought it to 18 ms alone; with two busy processes on the two cores it cost 31 ms
+# against PASSIVE's 21 (a 3x longer spin: 55 ms).
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
+for _name, _value in OPENMP_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
 
 __version__ = "0.1.0"
 

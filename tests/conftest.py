@@ -1,7 +1,6 @@
 import os
 
-# Before anything imports torch: see rlcourse/__init__.py.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import rlcourse  # noqa: F401,E402  before anything imports torch: it sets how OpenMP threads wait
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")

@@ -1,6 +1,8 @@
-"""The two LM benchmarks run end to end and report their numbers (speed itself is never asserted)."""
+"""The LM benchmarks run end to end and report their numbers (speed itself is never asserted)."""
 import rlcourse  # noqa: F401  (before torch)
 import re
+
+import pytest
 
 from rlcourse.bench import rl_smoke, sampling
 
@@ -30,3 +32,19 @@ def test_rl_smoke_digitsum_reports_validity_and_diversity(capsys):
     sampled_before = float(re.search(r"sampled at T=1\s+before ([0-9.]+)%", out).group(1))
     assert 10 <= sampled_before <= 55                         # imitation stays under its teachers
     assert code == 1
+
+
+def test_openmp_wait_times_each_setting_alone_and_in_pairs(capsys):
+    from rlcourse.bench import openmp_wait
+
+    assert openmp_wait.main(["--spins", "0", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"0 \(PASSIVE\) \|\s+[\d.]+ \| [\d.]+ and [\d.]+", out), out
+
+
+def test_openmp_wait_rejects_a_bad_spin_count(capsys):
+    from rlcourse.bench import openmp_wait
+
+    with pytest.raises(SystemExit):
+        openmp_wait.main(["--spins", "fast"])
+    assert "--spins must be comma-separated integers >= 0 or 'default'" in capsys.readouterr().err

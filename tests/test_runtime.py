@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -58,17 +59,25 @@ def test_device_and_threads(monkeypatch):
 HF_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
-def test_importing_rlcourse_sets_omp_wait_policy_and_nothing_else():
-    """OMP_WAIT_POLICY is set before torch; the user's Hugging Face settings are left alone."""
+def test_importing_rlcourse_sets_the_openmp_wait_and_nothing_else():
+    """The OpenMP waiting defaults are set before torch; the user's Hugging Face settings are left alone."""
     # gymnasium (imported to register the gridworld) sets PYGAME_HIDE_SUPPORT_PROMPT itself
-    ignored = ("OMP_WAIT_POLICY", "PYGAME_HIDE_SUPPORT_PROMPT") + HF_VARIABLES
+    ignored = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "PYGAME_HIDE_SUPPORT_PROMPT") + HF_VARIABLES
     env = {k: v for k, v in os.environ.items() if k not in ignored}
-    code = ("import sys, os; before = dict(os.environ); import rlcourse; "
+    code = ("import sys, os, json; before = dict(os.environ); import rlcourse; "
             "assert 'torch' not in sys.modules; "
-            "print(sorted(k for k in os.environ if os.environ.get(k) != before.get(k) "
-            "and k != 'PYGAME_HIDE_SUPPORT_PROMPT'), os.environ['OMP_WAIT_POLICY'])")
+            "print(json.dumps({k: os.environ[k] for k in os.environ if os.environ.get(k) != before.get(k) "
+            "and k != 'PYGAME_HIDE_SUPPORT_PROMPT'}))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["['OMP_WAIT_POLICY']", "PASSIVE"]
+    assert json.loads(out.stdout) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
+
+
+def test_a_users_openmp_setting_wins():
+    """A variable the user set before importing rlcourse is left as it is."""
+    env = {**os.environ, "GOMP_SPINCOUNT": "0"}
+    code = "import os, rlcourse; print(os.environ['GOMP_SPINCOUNT'], os.environ['OMP_WAIT_POLICY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "PASSIVE"]
 
 
 def test_checkpoints_load_without_offline_variables_or_network():

@@ -6,10 +6,11 @@ Both start from the ``addition-partial`` checkpoint and train on the same traini
 same settings (``num_generations``, completions per step, learning rate at a constant schedule,
 ``beta``, ``loss_type``, ``max_completion_length``, ``max_grad_norm`` 1.0, temperature 1). Each
 trainer runs in its own subprocess so that peak memory (max RSS on CPU, peak allocated on CUDA) is
-its own; each runs ``--repeats`` times (alternated) and the median speed is reported. Printed:
+its own; each runs ``--repeats`` times per seed (alternated) and the median speed is reported. Printed:
 completions per second of the training loop (generation, scoring and updates;
 model loading excluded), their ratio (goal: ours >= 3x TRL's), held-out greedy exact match after
-the same number of steps (goal: ours within 3 points of TRL's or better) and peak memory.
+the same number of steps (goal: ours within 3 points of TRL's or better; with ``--seeds N`` the mean
+over N seeds and the standard error of the paired gap) and peak memory.
 """
 from __future__ import annotations
 
@@ -103,7 +104,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument("--seeds", type=int, default=1, help="train with seeds --seed, --seed + 1, ...: accuracy "
+                                                           "is averaged over them, with the paired gap's standard error")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each trainer, alternated; the median is reported")
     parser.add_argument("--only", choices=("ours", "trl"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -113,27 +116,41 @@ def main(argv: list[str]) -> int:
         print(json.dumps(_run_one(args.only, args)))
         return 0
     runs = {"ours": [], "trl": []}
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # the OpenMP settings: from rlcourse
+    seeds = range(args.seed, args.seed + args.seeds)
     # Alternate ours, TRL, ours, TRL...: a burst of load from other processes then hits both alike.
-    for which in ("ours", "trl") * args.repeats:
-        cmd = [sys.executable, "-m", "rlcourse.bench", "grpo-vs-trl", "--only", which, *argv]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if out.returncode != 0:
-            print(out.stdout[-2000:], out.stderr[-4000:])
-            return 1
-        runs[which].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    # The run of median speed stands for each trainer (training is seeded: accuracy is the same in every run).
+    for seed in seeds:
+        for which in ("ours", "trl") * args.repeats:
+            cmd = [sys.executable, "-m", "rlcourse.bench", "grpo-vs-trl", *argv, "--only", which, "--seed", str(seed)]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if out.returncode != 0:
+                print(out.stdout[-2000:], out.stderr[-4000:])
+                return 1
+            runs[which].append(dict(json.loads(out.stdout.strip().splitlines()[-1]), seed=seed))
+    # The run of median speed stands for each trainer's speed. Training is seeded, so a seed's
+    # accuracy is the same in every repeat: accuracy is averaged over seeds, not over repeats.
     ours, trl = (sorted(r, key=lambda x: x["completions_per_s"])[len(r) // 2] for r in (runs["ours"], runs["trl"]))
-    if args.repeats > 1:
+    if len(runs["ours"]) > 1:
         for which, r in runs.items():
             print(f"  {which} runs: " + ", ".join(f"{x['completions_per_s']:.0f}" for x in r) + " completions/s")
     print(f"grpo-vs-trl: addition-partial, {args.steps} steps x {args.batch} completions "
           f"(num_generations={args.num_generations}, lr={args.lr}, beta={args.beta}, loss_type={args.loss_type}), "
-          f"{args.threads} threads, device {ours['device']}")
+          f"{args.threads} threads, device {ours['device']}, seeds {seeds.start}-{seeds.stop - 1}")
+    after = {which: [next(x["after"] for x in r if x["seed"] == s) for s in seeds] for which, r in runs.items()}
     for r in (ours, trl):
+        acc = after[r["trainer"]]
+        spread = f" (mean of {len(acc)} seeds, std {100 * _std(acc):.1f} points)" if len(acc) > 1 else ""
         print(f"  {r['trainer']:<5} {r['completions_per_s']:8.1f} completions/s ({r['seconds']:.1f} s) | held-out exact "
-              f"match {r['before']:.1%} -> {r['after']:.1%} | peak memory {r['peak_mb']:.0f} MB")
+              f"match {r['before']:.1%} -> {sum(acc) / len(acc):.1%}{spread} | peak memory {r['peak_mb']:.0f} MB")
     ratio = ours["completions_per_s"] / trl["completions_per_s"]
-    gap = 100 * (ours["after"] - trl["after"])
-    print(f"  speed ratio ours/TRL: {ratio:.2f}x (goal >= 3x); accuracy ours - TRL: {gap:+.1f} points (goal >= -3)")
+    gaps = [100 * (a - b) for a, b in zip(after["ours"], after["trl"])]
+    gap = sum(gaps) / len(gaps)
+    error = f" +/- {_std(gaps) / len(gaps) ** 0.5:.1f} (standard error over {len(gaps)} seeds)" if len(gaps) > 1 else ""
+    print(f"  speed ratio ours/TRL: {ratio:.2f}x (goal >= 3x); accuracy ours - TRL: {gap:+.1f}{error} points (goal >= -3)")
     return 0
+
+
+def _std(xs: list[float]) -> float:
+    """Sample standard deviation (n - 1)."""
+    mean = sum(xs) / len(xs)
+    return (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5

@@ -8,7 +8,6 @@ minute" budget of a lesson is visible whenever notebooks are refreshed.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,6 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
         return 2
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     for name in argv:
         seconds = execute(Path(name))
         print(f"{seconds:6.1f} s  {name}", flush=True)

@@ -183,7 +183,6 @@ def grade_notebook(path: Path, manifests: Path | None = None, timeout: int = 600
         if captures:
             (tmp / "captures.json").write_text(json.dumps(captures))
             env = dict(os.environ)
-            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             try:
                 subprocess.run([sys.executable, "-m", "rlcourse.tools.grade_runner", str(tmp)], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, timeout=timeout * 4)
