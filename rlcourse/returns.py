@@ -97,12 +97,17 @@ def _batch(rewards, gamma, mask):
     if r.ndim != 2:
         raise ValueError(f"rewards must have shape (N, T), got {tuple(r.shape)}")
     m = torch.ones_like(r, dtype=torch.bool) if mask is None else _flags(mask, "mask", r)
-    _check_finite("rewards", r, m)
+    check_finite("rewards", r, m)
     return r, m, restore
 
 
-def _check_finite(name: str, x: torch.Tensor, real: torch.Tensor) -> None:
-    bad = ~torch.isfinite(x) & real
+def check_finite(name: str, x: torch.Tensor, real: torch.Tensor | None, check=torch.isfinite) -> None:
+    """Raise ``ValueError`` naming ``name`` if ``check(x)`` fails at a real entry (``real`` None: every entry).
+
+    ``check`` is ``torch.isfinite`` (no nan, no inf) unless the caller allows inf (e.g. a log-prob
+    of -inf, whose gradient is still defined where the mask is 0). Masked entries may hold anything.
+    """
+    bad = ~check(x) if real is None else ~check(x) & real
     if bad.any():
         where = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(f"{name} hold nan or inf at {int(bad.sum())} real (unmasked) entries, the "
@@ -215,7 +220,7 @@ def whiten(values, mask=None, shift_mean: bool = True, eps: float = 1e-8):
     m = torch.ones_like(x, dtype=torch.bool) if mask is None else _flags(mask, "mask", x)
     if not m.any():
         raise ValueError("mask selects no entries: cannot whiten an empty set")
-    _check_finite("values", x, m)
+    check_finite("values", x, m)
     # Sums in float64 (where the device has it): n equal float32 values then have a mean equal to
     # each of them, so they centre to exactly 0 (a float32 sum left 0.749 for sixteen 0.3s).
     x64 = torch.where(m, x.to(torch.float32 if x.device.type == "mps" else torch.float64), 0.0)
@@ -236,7 +241,7 @@ def _critic_inputs(rewards, values, gamma, *, next_values=None, last_value=None,
     """Validate; return rewards, values, mask, episode ends and the value bootstrapped after each step."""
     r, m, restore = _batch(rewards, gamma, mask)
     v = _like(values, "values", r)
-    _check_finite("values", v, m)
+    check_finite("values", v, m)
     ends, terminal = _episode_ends(r, dones, terminated, truncated)
     N = r.shape[0]
     if last_value is None:
@@ -256,7 +261,7 @@ def _critic_inputs(rewards, values, gamma, *, next_values=None, last_value=None,
             raise ValueError("last_value must be finite, got nan or inf")
     if next_values is not None:
         nv = _like(next_values, "next_values", r)
-        _check_finite("next_values", nv, m & ~terminal)
+        check_finite("next_values", nv, m & ~terminal)
     else:
         truncations = ends & ~terminal & m & _has_real_step_after(m)
         if truncations.any():

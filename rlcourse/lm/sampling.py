@@ -65,10 +65,15 @@ class Rollout:
         return eos.any(dim=1)
 
 
-def encode_prompts(tokenizer, prompts: list[str], device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``(input_ids, attention_mask)`` for a list of prompt strings."""
+def _check_prompts(prompts) -> None:
+    # A lone string would be read as a list of one-character prompts.
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of strings, got {type(prompts).__name__}")
+
+
+def encode_prompts(tokenizer, prompts: list[str], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(input_ids, attention_mask)`` for a list of prompt strings."""
+    _check_prompts(prompts)
     enc = tokenizer(list(prompts), padding=True, padding_side="left", return_tensors="pt")
     if tokenizer.unk_token_id is not None and bool((enc["input_ids"] == tokenizer.unk_token_id).any()):
         check_encodable(tokenizer, list(prompts), "prompts")  # names the offending prompt
@@ -143,8 +148,7 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
         raise ValueError("tokenizer must define both eos_token and pad_token")
 
     # Tokenise and prefill each distinct prompt once (GRPO repeats every prompt K times).
-    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a non-empty list of strings, got {type(prompts).__name__}")
+    _check_prompts(prompts)
     where = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
     rows = torch.tensor([where[p] for p in prompts], dtype=torch.long, device=dev)
     distinct_ids, distinct_mask = encode_prompts(tokenizer, list(where), dev)

@@ -28,7 +28,7 @@ import math
 import torch
 
 from rlcourse.kl import LOG_RATIO_BOUND, as_mask, entropy, kl_k3
-from rlcourse.returns import discount_weights, episode_returns, reward_to_go
+from rlcourse.returns import check_finite, discount_weights, episode_returns, reward_to_go
 
 __all__ = [
     "reinforce_loss",
@@ -62,11 +62,7 @@ def _check_logprobs_mask(logprobs: torch.Tensor, mask) -> torch.Tensor:
 
 def _real(name: str, x: torch.Tensor, m: torch.Tensor | None, check=torch.isfinite) -> torch.Tensor:
     """``x`` with masked entries replaced by 0; a nan (or, by default, inf) in a real entry is an error."""
-    bad = ~check(x) if m is None else ~check(x) & m
-    if bad.any():
-        first = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name} hold nan or inf at {int(bad.sum())} real (unmasked) entries, the first at "
-                         f"{first}; masked entries may hold anything")
+    check_finite(name, x, m, check)
     return x if m is None else torch.where(m, x, 0.0)
 
 
