@@ -48,3 +48,22 @@ def test_openmp_wait_rejects_a_bad_spin_count(capsys):
     with pytest.raises(SystemExit):
         openmp_wait.main(["--spins", "fast"])
     assert "--spins must be comma-separated integers >= 0 or 'default'" in capsys.readouterr().err
+
+
+def test_dpo_vs_trl_reports_both_trainers(capsys):
+    from rlcourse.bench import dpo_vs_trl
+
+    assert dpo_vs_trl.main(["--pairs", "32", "--steps", "2", "--batch", "8"]) == 0
+    out = capsys.readouterr().out
+    for name in ("rlcourse", "TRL 1.16"):
+        assert re.search(rf"{name}\s+[\d.]+\s+0\.6931\s+[\d.]+\s+\d+\s+-?\d+", out), out   # both start at log 2
+    assert re.search(r"speed ratio rlcourse / TRL: [\d.]+x", out), out
+
+
+def test_a_failing_worker_reports_its_error():
+    import sys
+
+    from rlcourse.bench._memory import run_worker
+
+    with pytest.raises(RuntimeError, match="exit 3"):
+        run_worker([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"], {})

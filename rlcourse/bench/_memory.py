@@ -1,7 +1,18 @@
-"""Memory measurements shared by the benchmarks (a private module: not a benchmark itself)."""
+"""Memory measurements and worker processes shared by the benchmarks (private: not a benchmark itself).
+
+Two ways to measure memory, each used consistently within one comparison:
+
+* :func:`process_peak_mb` - the whole process's peak (``ru_maxrss``, or the CUDA peak): for a
+  worker that does one job from start to end (``grpo-vs-trl``, ``dpo-vs-trl``);
+* :class:`RSSWatcher` - the peak while one block runs, above where it started: for a worker that
+  loads shared things first (``ppo-rlhf``, ``capstone``).
+"""
 from __future__ import annotations
 
+import json
 import os
+import resource
+import subprocess
 import threading
 import time
 
@@ -35,3 +46,34 @@ class RSSWatcher:
         self._thread.join()
         self.peak = max(self.peak, rss_bytes())
         return False
+
+
+def process_peak_mb(device=None) -> float:
+    """Peak memory of this process so far in MiB: CUDA's peak allocated on a GPU, else the peak RSS.
+
+    ``ru_maxrss`` counts from the parent's size at ``fork``: run workers from a small parent.
+    """
+    if device is not None and getattr(device, "type", device) == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def start_worker(cmd: list[str], env: dict) -> subprocess.Popen:
+    """Start a benchmark worker that prints its result as JSON on its last line of output."""
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def worker_result(proc: subprocess.Popen) -> dict:
+    """Wait for a worker; its JSON result, or ``RuntimeError`` with the end of its error output."""
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark worker {' '.join(proc.args[-6:])} failed "
+                           f"(exit {proc.returncode}):\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_worker(cmd: list[str], env: dict) -> dict:
+    """Run one worker to its end: :func:`start_worker` then :func:`worker_result`."""
+    return worker_result(start_worker(cmd, env))

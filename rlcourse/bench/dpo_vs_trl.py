@@ -18,21 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
 
-from rlcourse.bench._memory import rss_bytes
+from rlcourse.bench._memory import process_peak_mb, rss_bytes, run_worker
 
 
 def _rss_mb() -> float:
     return rss_bytes() / 2**20
-
-
-def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _worker(args) -> dict:
@@ -77,7 +71,7 @@ def _worker(args) -> dict:
             losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     tail = losses[-5:]   # one batch's loss is noisy: the mean of the last five steps
     return {"steps_per_second": args.steps / seconds, "seconds": seconds, "first_loss": losses[0],
-            "last_loss": sum(tail) / len(tail), "peak_mb": _peak_mb(), "rise_mb": _peak_mb() - before}
+            "last_loss": sum(tail) / len(tail), "peak_mb": process_peak_mb(), "rise_mb": process_peak_mb() - before}
 
 
 def main(argv: list[str]) -> int:
@@ -113,11 +107,7 @@ def main(argv: list[str]) -> int:
                "HF_DATASETS_CACHE": os.path.join(tmp, "datasets")}
         for who in ("ours", "trl"):
             cmd = [sys.executable, "-m", "rlcourse.bench.dpo_vs_trl", *argv, "--worker", who, "--model-path", str(path)]
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if done.returncode != 0:
-                print(f"{who} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
-                return 1
-            results[who] = json.loads(done.stdout.strip().splitlines()[-1])
+            results[who] = run_worker(cmd, env)
     print(f"{'':>10} {'steps/s':>8} {'first loss':>11} {'last 5 loss':>11} {'peak RSS MB':>12} {'rise MB':>8}")
     for who, r in results.items():
         name = "rlcourse" if who == "ours" else "TRL 1.16"

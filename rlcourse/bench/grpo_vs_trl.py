@@ -17,23 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
 
+from rlcourse.bench._memory import process_peak_mb, run_worker
+
 SIZES = {"ci": dict(steps=20, batch=64), "laptop": dict(steps=60, batch=64), "demo": dict(steps=200, batch=256)}
-
-
-def _peak_memory_mb(device) -> float:
-    import resource
-
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _run_one(which: str, args) -> dict:
@@ -90,7 +81,7 @@ def _run_one(which: str, args) -> dict:
         trained = trainer.model
     after = exact_match(trained, tokenizer, task, test)
     return {"trainer": which, "seconds": seconds, "completions_per_s": args.steps * args.batch / seconds,
-            "before": before, "after": after, "peak_mb": _peak_memory_mb(dev), "device": str(dev)}
+            "before": before, "after": after, "peak_mb": process_peak_mb(dev), "device": str(dev)}
 
 
 def main(argv: list[str]) -> int:
@@ -122,11 +113,7 @@ def main(argv: list[str]) -> int:
     for seed in seeds:
         for which in ("ours", "trl") * args.repeats:
             cmd = [sys.executable, "-m", "rlcourse.bench", "grpo-vs-trl", *argv, "--only", which, "--seed", str(seed)]
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if out.returncode != 0:
-                print(out.stdout[-2000:], out.stderr[-4000:])
-                return 1
-            runs[which].append(dict(json.loads(out.stdout.strip().splitlines()[-1]), seed=seed))
+            runs[which].append(dict(run_worker(cmd, env), seed=seed))
     # The run of median speed stands for each trainer's speed. Training is seeded, so a seed's
     # accuracy is the same in every repeat: accuracy is averaged over seeds, not over repeats.
     ours, trl = (sorted(r, key=lambda x: x["completions_per_s"])[len(r) // 2] for r in (runs["ours"], runs["trl"]))

@@ -18,9 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from rlcourse.bench._memory import start_worker, worker_result
 
 
 def _worker(args) -> dict:
@@ -56,15 +57,8 @@ def _run(spins: int | None, copies: int, args) -> list[float]:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT=str(spins or 0))
     cmd = [sys.executable, "-m", "rlcourse.bench", "openmp-wait", "--worker",
            "--steps", str(args.steps), "--threads", str(args.threads)] + (["--openmp-default"] if spins is None else [])
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(copies)]
-    results = []
-    for p in procs:
-        out, err = p.communicate()
-        if p.returncode != 0:
-            raise RuntimeError(f"worker failed (GOMP_SPINCOUNT={spins}):\n{err[-3000:]}")
-        results.append(json.loads(out.strip().splitlines()[-1])["ms_per_step"])
-    return results
+    workers = [start_worker(cmd, env) for _ in range(copies)]      # all started before any is awaited
+    return [worker_result(w)["ms_per_step"] for w in workers]
 
 
 def main(argv: list[str]) -> int:
