@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from grading_asserts import assert_fails, assert_passes
 from rlcourse import returns, tabular
 from rlcourse.grading import (CheckFailed, check_bellman_expectation_backup, check_discounted_return,
                               check_greedy_policy, check_q_learning_update, check_value_iteration)
@@ -37,9 +38,7 @@ def ref_greedy(Q):
     (check_greedy_policy, ref_greedy),
 ])
 def test_reference_passes_with_one_line(check, fn, capsys):
-    check(fn)
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and "passed" in out[0]
+    assert_passes(check, fn, capsys)
 
 
 # ----------------------------------------------------------------------------- wrong answers
@@ -138,9 +137,7 @@ def greedy_returns_values(Q):
     (check_greedy_policy, greedy_returns_values),
 ])
 def test_plausible_mistakes_fail(check, wrong):
-    with pytest.raises(CheckFailed) as info:
-        check(wrong)
-    message = str(info.value)
+    message = assert_fails(check, wrong)
     assert "expected" in message and "received" in message and "hint" in message
 
 

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from rlcourse.grading import CheckFailed, check_gae, check_n_step_returns, check_td_residuals
+from grading_asserts import assert_fails, assert_passes
+from rlcourse.grading import check_gae, check_n_step_returns, check_td_residuals
 
 
 # ----------------------------------------------------------------------------- reference answers
@@ -84,9 +85,7 @@ def gae_in_place(rewards, values, next_values, terminated, dones, gamma, lam):
 @pytest.mark.parametrize("check, fn", [(check_td_residuals, td_residuals), (check_n_step_returns, n_step_returns),
                                        (check_gae, gae)])
 def test_reference_passes_with_one_line(check, fn, capsys):
-    check(fn)
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and "passed" in out[0]
+    assert_passes(check, fn, capsys)
 
 
 @pytest.mark.parametrize("check, wrong", [
@@ -101,5 +100,4 @@ def test_reference_passes_with_one_line(check, fn, capsys):
     (check_gae, gae_in_place),
 ])
 def test_wrong_answers_fail(check, wrong):
-    with pytest.raises(CheckFailed):
-        check(wrong)
+    assert_fails(check, wrong)

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from rlcourse.grading import CheckFailed, check_conjugate_gradient, check_natural_step, check_surrogate_objective
+from grading_asserts import assert_fails, assert_passes
+from rlcourse.grading import check_conjugate_gradient, check_natural_step, check_surrogate_objective
 
 
 def surrogate(logprobs, old_logprobs, advantages):
@@ -67,9 +68,7 @@ def natural_step_without_sqrt(direction, Fd, max_kl):
                                        (check_conjugate_gradient, conjugate_gradient),
                                        (check_natural_step, natural_step)])
 def test_reference_passes_with_one_line(check, fn, capsys):
-    check(fn)
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and "passed" in out[0]
+    assert_passes(check, fn, capsys)
 
 
 @pytest.mark.parametrize("check, wrong", [
@@ -82,5 +81,4 @@ def test_reference_passes_with_one_line(check, fn, capsys):
     (check_natural_step, natural_step_without_sqrt),
 ])
 def test_wrong_answers_fail(check, wrong):
-    with pytest.raises(CheckFailed):
-        check(wrong)
+    assert_fails(check, wrong)

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from rlcourse.grading import CheckFailed, check_adaptive_kl_beta, check_clipped_value_loss, check_ppo_clip_loss
+from grading_asserts import assert_fails, assert_passes
+from rlcourse.grading import check_adaptive_kl_beta, check_clipped_value_loss, check_ppo_clip_loss
 
 
 def ppo_clip_loss(logprobs, old_logprobs, advantages, clip_coef):
@@ -83,9 +84,7 @@ def beta_without_tolerance(beta, kl, kl_target):
                                        (check_clipped_value_loss, clipped_value_loss),
                                        (check_adaptive_kl_beta, adaptive_kl_beta)])
 def test_reference_passes_with_one_line(check, fn, capsys):
-    check(fn)
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and "passed" in out[0]
+    assert_passes(check, fn, capsys)
 
 
 @pytest.mark.parametrize("check, wrong", [
@@ -102,5 +101,4 @@ def test_reference_passes_with_one_line(check, fn, capsys):
     (check_adaptive_kl_beta, beta_without_tolerance),
 ])
 def test_wrong_answers_fail(check, wrong):
-    with pytest.raises(CheckFailed):
-        check(wrong)
+    assert_fails(check, wrong)

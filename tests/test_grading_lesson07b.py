@@ -1,13 +1,12 @@
 """Lesson 07b's checks pass the reference answers and catch each plausible wrong answer.
 (The experiment check, check_kl_estimators, is tested in test_grading_experiments.py.)"""
-import re
 
 import pytest
 
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.grading import CheckFailed
+from grading_asserts import assert_fails, assert_passes
 from rlcourse.grading.lesson07b import check_exact_kl, check_kl_k3
 
 
@@ -117,13 +116,9 @@ WRONG = [
 
 @pytest.mark.parametrize("check, answer", RIGHT, ids=[a.__name__ for _, a in RIGHT])
 def test_reference_answers_pass(check, answer, capsys):
-    check(answer)
-    out = capsys.readouterr().out
-    assert re.fullmatch(rf"✔ {check.__name__}: all \d+ cases passed\n", out)
+    assert_passes(check, answer, capsys)
 
 
 @pytest.mark.parametrize("check, answer, hint", WRONG, ids=[a.__name__ for _, a, _ in WRONG])
 def test_wrong_answers_fail_with_a_useful_message(check, answer, hint):
-    with pytest.raises(CheckFailed) as info:
-        check(answer)
-    assert hint in str(info.value), str(info.value)
+    assert_fails(check, answer, hint)

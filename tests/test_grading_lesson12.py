@@ -4,7 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from rlcourse.grading import (CheckFailed, check_final_validity_intervals, check_intervals_separate,
+from grading_asserts import assert_fails, assert_passes
+from rlcourse.grading import (check_final_validity_intervals, check_intervals_separate,
                               check_t_interval)
 
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
@@ -104,9 +105,7 @@ SMALL = dict(budget=128)
                                                (check_intervals_separate, intervals_separate, {}),
                                                (check_final_validity_intervals, final_validity_intervals, SMALL)])
 def test_reference_passes_with_one_line(check, fn, kwargs, capsys):
-    check(fn, **kwargs)
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and "passed" in out[0]
+    assert_passes(check, fn, capsys, **kwargs)
 
 
 def test_the_library_reference_passes_too():
@@ -135,8 +134,7 @@ def test_the_library_reference_passes_too():
     (check_final_validity_intervals, experiment_with_ddof0, SMALL),
 ])
 def test_wrong_answers_fail(check, wrong, kwargs):
-    with pytest.raises(CheckFailed):
-        check(wrong, **kwargs)
+    assert_fails(check, wrong, **kwargs)
 
 
 def test_not_implemented_goes_through():

@@ -1,0 +1,27 @@
+"""The two assertions every ``tests/test_grading_lessonNN.py`` makes about its checks.
+
+A check must pass a right answer quietly (one line naming the check) and refuse a wrong one with
+a ``CheckFailed`` whose message helps (it names what went wrong: the ``hint``).
+"""
+import re
+
+import pytest
+
+from rlcourse.grading import CheckFailed
+
+
+def assert_passes(check, answer, capsys, **kwargs) -> None:
+    """``check(answer)`` passes and prints exactly ``✔ <check name>: all N cases passed``."""
+    check(answer, **kwargs)
+    out = capsys.readouterr().out
+    assert re.fullmatch(rf"✔ {check.__name__}: all \d+ cases passed\n", out), out
+
+
+def assert_fails(check, answer, hint: str | None = None, **kwargs) -> str:
+    """``check(answer)`` raises ``CheckFailed``, whose message contains ``hint``; returns the message."""
+    with pytest.raises(CheckFailed) as info:
+        check(answer, **kwargs)
+    message = str(info.value)
+    if hint is not None:
+        assert hint in message, message
+    return message
