@@ -25,3 +25,20 @@ def assert_fails(check, answer, hint: str | None = None, **kwargs) -> str:
     if hint is not None:
         assert hint in message, message
     return message
+
+
+def grading_tests(right, wrong):
+    """The two parametrised tests of a lesson whose answers sit in tables.
+
+    ``right``: ``[(check, answer), ...]``; ``wrong``: ``[(check, answer, hint), ...]``. Use as
+    ``test_right_answers_pass, test_wrong_answers_fail_with_a_hint = grading_tests(RIGHT, WRONG)``.
+    """
+    @pytest.mark.parametrize("check, answer", right, ids=[a.__name__ for _, a in right])
+    def test_right_answers_pass(check, answer, capsys):
+        assert_passes(check, answer, capsys)
+
+    @pytest.mark.parametrize("check, answer, hint", wrong, ids=[a.__name__ for _, a, _ in wrong])
+    def test_wrong_answers_fail_with_a_hint(check, answer, hint):
+        assert_fails(check, answer, hint)
+
+    return test_right_answers_pass, test_wrong_answers_fail_with_a_hint

@@ -1,11 +1,10 @@
 """Lesson 07's checks pass the reference answers and catch each plausible wrong answer."""
 
-import pytest
 
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from grading_asserts import assert_fails, assert_passes
+from grading_asserts import grading_tests
 from rlcourse.grading.lesson07 import (check_entropy_by_sampling, check_gather_token_logprobs,
                                        check_sequence_logprob, check_token_entropy)
 
@@ -257,11 +256,4 @@ WRONG = [
 ]
 
 
-@pytest.mark.parametrize("check, answer", RIGHT, ids=[a.__name__ for _, a in RIGHT])
-def test_reference_answers_pass(check, answer, capsys):
-    assert_passes(check, answer, capsys)
-
-
-@pytest.mark.parametrize("check, answer, hint", WRONG, ids=[a.__name__ for _, a, _ in WRONG])
-def test_wrong_answers_fail_with_a_useful_message(check, answer, hint):
-    assert_fails(check, answer, hint)
+test_right_answers_pass, test_wrong_answers_fail_with_a_hint = grading_tests(RIGHT, WRONG)

@@ -1,12 +1,11 @@
 """Lesson 07b's checks pass the reference answers and catch each plausible wrong answer.
 (The experiment check, check_kl_estimators, is tested in test_grading_experiments.py.)"""
 
-import pytest
 
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from grading_asserts import assert_fails, assert_passes
+from grading_asserts import grading_tests
 from rlcourse.grading.lesson07b import check_exact_kl, check_kl_k3
 
 
@@ -114,11 +113,4 @@ WRONG = [
 ]
 
 
-@pytest.mark.parametrize("check, answer", RIGHT, ids=[a.__name__ for _, a in RIGHT])
-def test_reference_answers_pass(check, answer, capsys):
-    assert_passes(check, answer, capsys)
-
-
-@pytest.mark.parametrize("check, answer, hint", WRONG, ids=[a.__name__ for _, a, _ in WRONG])
-def test_wrong_answers_fail_with_a_useful_message(check, answer, hint):
-    assert_fails(check, answer, hint)
+test_right_answers_pass, test_wrong_answers_fail_with_a_hint = grading_tests(RIGHT, WRONG)

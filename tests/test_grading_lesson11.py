@@ -1,12 +1,11 @@
 """Lesson 11's checks pass the reference answers and catch each plausible wrong answer."""
 
-import pytest
 
 import rlcourse  # noqa: F401  (before torch)
 import torch
 import torch.nn.functional as F
 
-from grading_asserts import assert_fails, assert_passes
+from grading_asserts import grading_tests
 from rlcourse.grading.lesson11 import (check_dpo_loss, check_fit_dpo_policy, check_implicit_reward,
                                        check_ipo_loss)
 from rlcourse.preference_oracle import train_tabular_policy
@@ -161,17 +160,14 @@ def fit_reference(bandit, pairs, beta):
     return bandit.ref_logprobs.clone()
 
 
-@pytest.mark.parametrize("check, answer", [
+RIGHT = [
     (check_dpo_loss, dpo_ok), (check_dpo_loss, dpo_ok_softplus),
     (check_implicit_reward, reward_ok),
     (check_ipo_loss, ipo_ok),
     (check_fit_dpo_policy, fit_ok), (check_fit_dpo_policy, fit_own_loop),
-])
-def test_right_answers_pass(check, answer, capsys):
-    assert_passes(check, answer, capsys)
+]
 
-
-@pytest.mark.parametrize("check, answer, hint", [
+WRONG = [
     (check_dpo_loss, dpo_no_beta, "beta is missing"),
     (check_dpo_loss, dpo_no_reference, "reference"),
     (check_dpo_loss, dpo_swapped, "swapped"),
@@ -197,6 +193,6 @@ def test_right_answers_pass(check, answer, capsys):
     (check_fit_dpo_policy, fit_wrong_beta, "KL"),
     (check_fit_dpo_policy, fit_returns_logits, "log_softmax"),
     (check_fit_dpo_policy, fit_reference, "never left"),
-])
-def test_wrong_answers_fail_with_a_hint(check, answer, hint):
-    assert_fails(check, answer, hint)
+]
+
+test_right_answers_pass, test_wrong_answers_fail_with_a_hint = grading_tests(RIGHT, WRONG)
