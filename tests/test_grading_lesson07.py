@@ -1,6 +1,5 @@
 """Lesson 07's checks pass the reference answers and catch each plausible wrong answer."""
 
-
 import rlcourse  # noqa: F401  (before torch)
 import torch
 

@@ -1,7 +1,6 @@
 """Lesson 07b's checks pass the reference answers and catch each plausible wrong answer.
 (The experiment check, check_kl_estimators, is tested in test_grading_experiments.py.)"""
 
-
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
