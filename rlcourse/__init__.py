@@ -9,12 +9,12 @@ the lessons.
 import os
 
 # How torch's OpenMP threads wait between parallel operations, measured on the 2-core course machine
-# (BENCHMARKS.md, "OpenMP waiting"). OpenMP's default, spinning for ~3 ms, made torch 10-15x slower
-# whenever another process was busy: the spinning thread holds the core the other one needs.
-# Sleeping at once (PASSIVE) makes every small parallel op wait for its helper thread to wake up
-# (~50 us here): a GRPO step on the tiny GPT took 28 ms. A short spin first (GOMP_SPINCOUNT=1000,
-# about 10 us) brought it to 18 ms alone; with two busy processes on the two cores it cost 31 ms
-# against PASSIVE's 21 (a 3x longer spin: 55 ms).
+# (`python -m rlcourse.bench openmp-wait`, BENCHMARKS.md). OpenMP's default, spinning for ~3 ms,
+# made torch 4-15x slower whenever another process was busy: the spinning thread holds the core
+# the other one needs. Sleeping at once (PASSIVE) makes every small parallel op wait for its helper
+# thread to wake up (~50 us here): a GRPO step on the tiny GPT took 29.6 ms. A short spin first
+# (GOMP_SPINCOUNT=1000, about 10 us) brought it to 18.5 ms alone; with two busy processes on the
+# two cores it cost 34 ms against PASSIVE's 20 (a 3x longer spin: 56 ms).
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
 for _name, _value in OPENMP_DEFAULTS.items():
     os.environ.setdefault(_name, _value)

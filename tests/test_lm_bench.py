@@ -63,7 +63,7 @@ def test_dpo_vs_trl_reports_both_trainers(capsys):
 def test_a_failing_worker_reports_its_error():
     import sys
 
-    from rlcourse.bench._memory import run_worker
+    from rlcourse.bench._workers import run_worker
 
     with pytest.raises(RuntimeError, match="exit 3"):
         run_worker([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"], {})

@@ -1,4 +1,4 @@
-"""Memory measurements and worker processes shared by the benchmarks (private: not a benchmark itself).
+"""Memory measurements shared by the benchmarks (a private module: not a benchmark itself).
 
 Two ways to measure memory, each used consistently within one comparison:
 
@@ -9,10 +9,8 @@ Two ways to measure memory, each used consistently within one comparison:
 """
 from __future__ import annotations
 
-import json
 import os
 import resource
-import subprocess
 import threading
 import time
 
@@ -59,21 +57,3 @@ def process_peak_mb(device=None) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-
-def start_worker(cmd: list[str], env: dict) -> subprocess.Popen:
-    """Start a benchmark worker that prints its result as JSON on its last line of output."""
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def worker_result(proc: subprocess.Popen) -> dict:
-    """Wait for a worker; its JSON result, or ``RuntimeError`` with the end of its error output."""
-    out, err = proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark worker {' '.join(proc.args[-6:])} failed "
-                           f"(exit {proc.returncode}):\n{err[-3000:]}")
-    return json.loads(out.strip().splitlines()[-1])
-
-
-def run_worker(cmd: list[str], env: dict) -> dict:
-    """Run one worker to its end: :func:`start_worker` then :func:`worker_result`."""
-    return worker_result(start_worker(cmd, env))

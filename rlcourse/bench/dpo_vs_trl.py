@@ -22,7 +22,8 @@ import sys
 import tempfile
 import time
 
-from rlcourse.bench._memory import process_peak_mb, rss_bytes, run_worker
+from rlcourse.bench._memory import process_peak_mb, rss_bytes
+from rlcourse.bench._workers import run_worker
 
 
 def _rss_mb() -> float:

@@ -22,7 +22,8 @@ import tempfile
 import time
 import warnings
 
-from rlcourse.bench._memory import process_peak_mb, run_worker
+from rlcourse.bench._memory import process_peak_mb
+from rlcourse.bench._workers import run_worker
 
 SIZES = {"ci": dict(steps=20, batch=64), "laptop": dict(steps=60, batch=64), "demo": dict(steps=200, batch=256)}
 

@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-from rlcourse.bench._memory import start_worker, worker_result
+from rlcourse.bench._workers import start_worker, worker_result
 
 
 def _worker(args) -> dict:
