@@ -98,9 +98,14 @@ class AdditionTask:
             raise ValueError(f"prompt must look like '12+34=', got {prompt!r}")
         return str(int(m.group(1)) + int(m.group(2)))
 
+    def demonstration(self, prompt: str, rng=None) -> str:
+        """A demonstrator's completion: here always the answer (subclasses may draw from ``rng``)."""
+        return self.answer(prompt)
+
     def sft_dataset(self, n: int, rng=None) -> list[dict]:
-        """``n`` training examples ``{"prompt": "12+34=", "completion": "46"}``."""
-        return [{"prompt": p, "completion": self.answer(p)} for p in self.prompts(n, rng)]
+        """``n`` training examples ``{"prompt": "12+34=", "completion": self.demonstration(...)}``."""
+        rng = _rng(rng)
+        return [{"prompt": p, "completion": self.demonstration(p, rng)} for p in self.prompts(n, rng)]
 
     @staticmethod
     def exact_match(target: str, completion: str) -> float:
@@ -260,11 +265,6 @@ class FillerAdditionTask(AdditionTask):
         """The sum after a uniformly random number of dots in ``[0, max_filler]`` (over budget: wrong)."""
         dots = int(_rng(rng).integers(0, self.max_filler + 1))
         return self.FILLER * dots + self.answer(prompt)
-
-    def sft_dataset(self, n: int, rng=None) -> list[dict]:
-        """``n`` training examples ``{"prompt": "12+34=", "completion": "...46"}``."""
-        rng = _rng(rng)
-        return [{"prompt": p, "completion": self.demonstration(p, rng)} for p in self.prompts(n, rng)]
 
     def split(self, completion: str) -> tuple[int, str]:
         """``(number of leading dots, what follows them)``: ``(3, "46")`` for ``"...46"``."""
