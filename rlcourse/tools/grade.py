@@ -182,9 +182,8 @@ def grade_notebook(path: Path, manifests: Path | None = None, timeout: int = 600
             grade.problems.append(f"the notebook stopped at {_where(nb, i)}: {type(e).__name__}: {first}"[:300])
         if captures:
             (tmp / "captures.json").write_text(json.dumps(captures))
-            env = dict(os.environ)
             try:
-                subprocess.run([sys.executable, "-m", "rlcourse.tools.grade_runner", str(tmp)], env=env,
+                subprocess.run([sys.executable, "-m", "rlcourse.tools.grade_runner", str(tmp)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, timeout=timeout * 4)
             except subprocess.TimeoutExpired:
                 grade.problems.append(f"the checks ran past {timeout * 4} s")
