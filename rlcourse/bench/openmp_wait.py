@@ -54,7 +54,7 @@ def _worker(args) -> dict:
 
 def _run(spins: int | None, copies: int, args) -> list[float]:
     """Start ``copies`` workers at once under ``GOMP_SPINCOUNT=spins`` (None: OpenMP's default); their ms per step."""
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT=str(spins or 0))
+    env = dict(os.environ) if spins is None else dict(os.environ, OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT=str(spins))
     cmd = [sys.executable, "-m", "rlcourse.bench", "openmp-wait", "--worker",
            "--steps", str(args.steps), "--threads", str(args.threads)] + (["--openmp-default"] if spins is None else [])
     workers = [start_worker(cmd, env) for _ in range(copies)]      # all started before any is awaited
