@@ -25,7 +25,8 @@ def model(tok):
     return make_model("tiny", tok, seed=0)
 
 
-ENGINES = ["auto", "hf"]  # the lean GPT-2 decoder, and the model's own forward with DynamicCache
+# The lean GPT-2 decoder, its fixed-shape (CUDA-graph) step run eagerly, and the model's own forward.
+ENGINES = ["lean", "static", "hf"]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -179,9 +180,10 @@ def test_logprob_shape_errors(model, tok):
         token_logprobs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
 
 
-def test_both_engines_draw_the_same_tokens(model, tok):
-    """Same seed, same distribution: the lean decoder and the HF forward pick identical tokens."""
-    a = sample(model, tok, PROMPTS * 4, 15, generator=torch.Generator().manual_seed(11), engine="auto")
+@pytest.mark.parametrize("engine", ["auto", "static"])
+def test_every_engine_draws_the_same_tokens(model, tok, engine):
+    """Same seed, same distribution: the lean decoders and the HF forward pick identical tokens."""
+    a = sample(model, tok, PROMPTS * 4, 15, generator=torch.Generator().manual_seed(11), engine=engine)
     b = sample(model, tok, PROMPTS * 4, 15, generator=torch.Generator().manual_seed(11), engine="hf")
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
@@ -221,3 +223,54 @@ def test_any_causal_lm_works_through_its_own_forward(tok):
                         eos_token_id=tok.eos_token_id)[:, enc["input_ids"].shape[1]:]
     ours = greedy.completion_ids.masked_fill(greedy.completion_mask == 0, tok.pad_token_id)
     assert torch.equal(ours, hf[:, :ours.shape[1]])
+    with pytest.raises(ValueError, match="engine='static' decodes plain GPT-2 models only"):
+        sample(llama, tok, PROMPTS, 4, engine="static")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        sample(llama, tok, PROMPTS, 4, engine="graph")
+
+
+def test_static_decoder_refills_its_buffers_for_a_new_batch(tok):
+    """The kept-graph path: one StaticGPT2Decoder restarted on other prompts of the same shape."""
+    from rlcourse.lm import fast_gpt2
+    from rlcourse.lm.logprobs import position_ids_from_mask
+    from rlcourse.lm.sampling import encode_prompts
+
+    model = make_model("tiny", tok, seed=3).eval()
+    first, second = ["12+34=", "7+1=", "9"], ["ce:", "88+10=", "S=07:"]
+    shape = encode_prompts(tok, first)[1].shape
+    decoder = fast_gpt2.StaticGPT2Decoder(model, encode_prompts(tok, first)[1], 5)
+    for batch in (first, second):
+        ids, mask = encode_prompts(tok, batch)
+        assert ids.shape == shape
+        decoder.restart(mask, None)
+        fresh = fast_gpt2.GPT2Decoder(model, mask, 5)
+        got = [decoder.prefill(ids, position_ids_from_mask(mask))]
+        want = [fresh.prefill(ids, position_ids_from_mask(mask))]
+        for token in ([5, 6, 7], [8, 9, 10], [11, 12, 13]):
+            token = torch.tensor(token)
+            got.append(decoder.step(token).clone())
+            want.append(fresh.step(token))
+        assert torch.allclose(torch.stack(got), torch.stack(want), atol=1e-5, rtol=0), batch
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_sampler_matches_a_fresh_forward_and_sees_weight_updates(tok):
+    """On a GPU: graph replays give the log-probs of a full forward, kept graphs are reused across
+    calls, and an in-place weight update (what an optimiser does) reaches a kept graph."""
+    from rlcourse.lm import fast_gpt2
+
+    model = make_model("tiny", tok, seed=0).cuda().eval()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for round in range(3):
+        roll = sample(model, tok, PROMPTS * 4, 12, generator=g)          # "auto" = static on CUDA
+        fresh = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, roll.completion_mask,
+                                  roll.prompt_mask)
+        assert torch.allclose(roll.logprobs, fresh, atol=1e-5, rtol=0), round
+        lean = sample(model, tok, PROMPTS * 4, 12, generator=torch.Generator(device="cuda").manual_seed(round),
+                      engine="lean")
+        graphed = sample(model, tok, PROMPTS * 4, 12, generator=torch.Generator(device="cuda").manual_seed(round))
+        assert torch.equal(lean.completion_ids, graphed.completion_ids), round
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    assert len(fast_gpt2._GRAPHED[model]) == 1 and next(iter(fast_gpt2._GRAPHED[model].values())).graph is not None

@@ -21,7 +21,8 @@ COMMON = ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", 
 def launch(tmp_path, *launcher_args):
     out = tmp_path / "report.json"
     env = {**os.environ, "RLCOURSE_TRL_WORKDIR": str(tmp_path), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONWARNINGS": "ignore"}
+           "TRANSFORMERS_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONWARNINGS": "ignore",
+           "CUDA_VISIBLE_DEVICES": ""}   # CPU ranks: with one GPU visible rank 1 would be sent to cuda:1
     done = subprocess.run([ACCELERATE, "launch", *launcher_args, *COMMON, *SCRIPT, "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

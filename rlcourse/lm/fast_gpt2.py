@@ -24,6 +24,9 @@ models (:func:`supports`); any other causal LM goes through its own forward.
 """
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
+
 import torch
 import torch.nn.functional as F
 
@@ -213,6 +216,123 @@ class GPT2Decoder:
         logits = self._forward(tokens.view(-1, 1), self.next_position, None)
         self.next_position = self.next_position + 1
         return logits
+
+
+class StaticGPT2Decoder(GPT2Decoder):
+    """A ``GPT2Decoder`` whose one-token step has fixed shapes, so that a CUDA graph can replay it.
+
+    **Why.** For a model of ~10M parameters a decoding step is ~170 small kernels, and on a GPU the
+    time goes into launching them from Python, not into running them. A CUDA graph records the
+    launches of one step once; ``graph.replay()`` then issues all of them in a single call.
+
+    **What a graph needs.** The same shapes and the same memory addresses at every replay. So the
+    step reads everything that changes from buffers allocated once: the token fed
+    (``static_tokens``), each row's position (``position``) and the cache column to write
+    (``write_at``, a tensor rather than a Python int). The keys and values are written with
+    ``index_copy_`` at that column, and attention runs over all P + T columns with the columns not
+    yet written masked out, which gives the same softmax as attending to the written ones only
+    (the buffers start at zero, so a masked column holds finite numbers: 0 x NaN would be NaN).
+
+    On a CUDA device the first step runs eagerly on a side stream (it warms up the kernels, which
+    must not initialise themselves during a capture), then the step is captured and every later
+    step is a replay. Elsewhere every step runs eagerly, so the CPU tests check the same arithmetic.
+    ``step`` returns a buffer that the next step overwrites: read it before calling ``step`` again.
+    """
+
+    def __init__(self, model, prompt_mask: torch.Tensor, max_new_tokens: int, prefill_rows: torch.Tensor | None = None):
+        super().__init__(model, prompt_mask, max_new_tokens, prefill_rows)
+        for buffer in self.keys + self.values:
+            buffer.zero_()
+        dev = prompt_mask.device
+        self.columns = torch.arange(self.total, device=dev)
+        self.write_at = torch.zeros(1, dtype=torch.long, device=dev)
+        self.position = torch.zeros(prompt_mask.shape[0], 1, dtype=torch.long, device=dev)
+        self.static_tokens = torch.zeros(prompt_mask.shape[0], dtype=torch.long, device=dev)
+        self.weights = [p.data_ptr() for p in model.parameters()]   # what a captured graph reads
+        self.graph, self.graph_logits = None, None
+
+    def restart(self, prompt_mask: torch.Tensor, prefill_rows: torch.Tensor | None) -> None:
+        """Reuse the buffers (and a captured graph) for a new batch of the same shape."""
+        self.valid[:, :prompt_mask.shape[1]].copy_(prompt_mask.bool())
+        self.rows, self.length = prefill_rows, 0
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        logits = super().prefill(prompt_ids, positions)
+        self.position.copy_(self.next_position)
+        self.write_at.fill_(self.length)
+        return logits
+
+    def _static_step(self) -> torch.Tensor:
+        """One token per row from the buffers; advances ``position`` and ``write_at``. Capturable."""
+        at = self.write_at
+        mask = (self.valid & (self.columns <= at))[:, None, None, :]     # real columns written so far
+        layer = iter(range(len(self.keys)))
+
+        def attend(qkv):
+            i = next(layer)
+            q, k, v = _heads(qkv, len(self.static_tokens), 1, self.n_head)
+            self.keys[i].index_copy_(2, at, k)
+            self.values[i].index_copy_(2, at, v)
+            return _merge(F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=mask))
+
+        h = _embed(self.model, self.static_tokens.view(-1, 1), self.position)
+        for block in self.model.transformer.h:
+            h = _block(self.model, block, h, attend)
+        self.position.add_(1)
+        at.add_(1)
+        return _logits(self.model, h)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.length >= self.total:
+            raise RuntimeError(f"the cache holds {self.total} tokens and is full")
+        self.length += 1
+        self.static_tokens.copy_(tokens)
+        if self.columns.device.type != "cuda":
+            return self._static_step()
+        if self.graph is not None:
+            self.graph.replay()
+            return self.graph_logits
+        side = torch.cuda.Stream(device=self.columns.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            logits = self._static_step()          # the warm-up is a real step
+        torch.cuda.current_stream().wait_stream(side)
+        logits.record_stream(torch.cuda.current_stream())
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=side):   # records the launches; runs nothing
+            self.graph_logits = self._static_step()
+        return logits
+
+
+_GRAPHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+MAX_GRAPHS_PER_MODEL = 8
+
+
+def static_decoder(model, prompt_mask: torch.Tensor, max_new_tokens: int,
+                   prefill_rows: torch.Tensor | None = None) -> StaticGPT2Decoder:
+    """A ``StaticGPT2Decoder`` for this batch; on CUDA, one kept from an earlier call of the same shape.
+
+    Capturing a graph costs about two eager steps, so graphs are kept per model and per
+    (batch, prompt columns, total columns), the last ``MAX_GRAPHS_PER_MODEL`` of them: a training
+    loop that samples the same batch size each step replays graphs captured in its first steps.
+    A graph reads the weights in place, so an optimiser's in-place updates are seen; if a
+    parameter tensor has been replaced (``model.to(...)``, say), the graph is captured again.
+    """
+    if prompt_mask.device.type != "cuda":
+        return StaticGPT2Decoder(model, prompt_mask, max_new_tokens, prefill_rows)
+    kept = _GRAPHED.setdefault(model, OrderedDict())
+    key = (*prompt_mask.shape, prompt_mask.shape[1] + max_new_tokens, str(prompt_mask.device))
+    decoder = kept.pop(key, None)
+    if decoder is None or decoder.weights != [p.data_ptr() for p in model.parameters()]:
+        decoder = StaticGPT2Decoder(model, prompt_mask, max_new_tokens, prefill_rows)
+    else:
+        decoder.restart(prompt_mask, prefill_rows)
+    kept[key] = decoder
+    while len(kept) > MAX_GRAPHS_PER_MODEL:
+        kept.popitem(last=False)
+    return decoder
 
 
 def _first_batch_row(rows: torch.Tensor, n_distinct: int) -> torch.Tensor:

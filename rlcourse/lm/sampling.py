@@ -13,7 +13,8 @@ How it works (the same loop as ``model.generate``, with the RL bookkeeping kept 
    sampled token (B, 1) and reuses the cached keys and values: O(T) work per step, not O(T^2).
    Plain GPT-2 models use a lean forward with a preallocated cache (:mod:`rlcourse.lm.fast_gpt2`)
    that tokenises and prefills each distinct prompt once (a GRPO batch repeats every prompt K
-   times); any other causal LM uses its own forward and a ``transformers.DynamicCache``.
+   times); on a GPU its one-token step is replayed from a CUDA graph. Any other causal LM uses its
+   own forward and a ``transformers.DynamicCache``.
 4. The next token is drawn from ``softmax(logits / temperature)``, optionally restricted to the
    ``top_k`` largest logits. Its log-prob is read from the *untruncated* temperature-scaled
    distribution, which is what :func:`rlcourse.lm.logprobs.sequence_logprobs` recomputes.
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from rlcourse.lm import fast_gpt2
-from rlcourse.lm.fast_gpt2 import GPT2Decoder
+from rlcourse.lm.fast_gpt2 import GPT2Decoder, static_decoder
 from rlcourse.lm.logprobs import position_ids_from_mask
 from rlcourse.lm.tokenizer import check_encodable
 
@@ -119,6 +120,9 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
     return token, logp_all.gather(1, token.unsqueeze(1)).squeeze(1)
 
 
+ENGINES = ("auto", "lean", "static", "hf")
+
+
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, generator: torch.Generator | None = None,
@@ -127,12 +131,16 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
 
     ``temperature=0`` decodes greedily. ``generator`` (a ``torch.Generator`` on the model's
     device) makes the draw reproducible. The model is put in eval mode during the call and
-    returned to its previous mode. ``engine="auto"`` decodes plain GPT-2 models with the lean
-    static-cache forward of :mod:`rlcourse.lm.fast_gpt2` and anything else with the model's own
-    forward and a ``DynamicCache``; ``"hf"`` forces the latter.
+    returned to its previous mode.
+
+    ``engine`` picks the decoder: ``"auto"`` decodes plain GPT-2 models with the lean forward of
+    :mod:`rlcourse.lm.fast_gpt2` (``"static"`` on a GPU, ``"lean"`` elsewhere) and anything else
+    with the model's own forward and a ``DynamicCache`` (``"hf"`` forces that). ``"lean"`` attends
+    to the columns written so far; ``"static"`` runs a fixed-shape step that a CUDA graph replays
+    on a GPU (on a CPU it runs the same step eagerly). All four give the same log-probs to ~1e-6.
     """
-    if engine not in ("auto", "hf"):
-        raise ValueError(f"engine must be 'auto' or 'hf', got {engine!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if temperature < 0:
@@ -163,8 +171,15 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
     if was_training:        # toggling every module's mode costs ~1 ms per call on a tiny model
         model.eval()
     try:
-        if engine == "auto" and fast_gpt2.supports(model):
-            decoder = GPT2Decoder(model, prompt_mask, max_new_tokens, prefill_rows=rows)
+        lean = engine != "hf" and fast_gpt2.supports(model)
+        if engine in ("lean", "static") and not lean:
+            raise ValueError(f"engine={engine!r} decodes plain GPT-2 models only (rlcourse.lm.fast_gpt2."
+                             f"supports); use engine='auto' or 'hf' for a {type(model).__name__}")
+        if lean:
+            if engine == "static" or (engine == "auto" and dev.type == "cuda"):
+                decoder = static_decoder(model, prompt_mask, max_new_tokens, prefill_rows=rows)
+            else:
+                decoder = GPT2Decoder(model, prompt_mask, max_new_tokens, prefill_rows=rows)
             logits = decoder.prefill(distinct_ids, position_ids_from_mask(distinct_mask))
         else:
             decoder = _HFDecoder(model, prompt_mask)

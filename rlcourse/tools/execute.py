@@ -40,8 +40,12 @@ def execute(path: Path, timeout: int = 600) -> float:
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
+        return 0 if argv else 2
+    missing = [name for name in argv if not name.endswith(".ipynb") or not Path(name).is_file()]
+    if missing:
+        print(f"not a notebook file: {', '.join(missing)}", file=sys.stderr)
         return 2
     for name in argv:
         seconds = execute(Path(name))
