@@ -274,3 +274,18 @@ def test_cuda_graph_sampler_matches_a_fresh_forward_and_sees_weight_updates(tok)
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
     assert len(fast_gpt2._GRAPHED[model]) == 1 and next(iter(fast_gpt2._GRAPHED[model].values())).graph is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_kept_cuda_graphs_do_not_keep_their_model_alive(tok):
+    import gc
+
+    from rlcourse.lm import fast_gpt2
+
+    model = make_model("tiny", tok, seed=0).cuda().eval()
+    sample(model, tok, PROMPTS, 6, generator=torch.Generator(device="cuda").manual_seed(0))
+    assert model in fast_gpt2._GRAPHED
+    before = len(fast_gpt2._GRAPHED)
+    del model
+    gc.collect()
+    assert len(fast_gpt2._GRAPHED) == before - 1

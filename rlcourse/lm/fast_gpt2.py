@@ -251,6 +251,16 @@ class StaticGPT2Decoder(GPT2Decoder):
         self.weights = [p.data_ptr() for p in model.parameters()]   # what a captured graph reads
         self.graph, self.graph_logits = None, None
 
+    # Kept decoders live in a cache keyed weakly by the model: holding the model strongly here would
+    # keep every model that ever sampled alive (and its GPU memory with it).
+    @property
+    def model(self):
+        return self._model()
+
+    @model.setter
+    def model(self, model):
+        self._model = weakref.ref(model)
+
     def restart(self, prompt_mask: torch.Tensor, prefill_rows: torch.Tensor | None) -> None:
         """Reuse the buffers (and a captured graph) for a new batch of the same shape."""
         self.valid[:, :prompt_mask.shape[1]].copy_(prompt_mask.bool())
