@@ -324,9 +324,10 @@ def static_decoder(model, prompt_mask: torch.Tensor, max_new_tokens: int,
                    prefill_rows: torch.Tensor | None = None) -> StaticGPT2Decoder:
     """A ``StaticGPT2Decoder`` for this batch; on CUDA, one kept from an earlier call of the same shape.
 
-    Capturing a graph costs about two eager steps, so graphs are kept per model and per
-    (batch, prompt columns, total columns), the last ``MAX_GRAPHS_PER_MODEL`` of them: a training
-    loop that samples the same batch size each step replays graphs captured in its first steps.
+    Capturing a graph costs about one more eager step plus the graph's instantiation, so graphs
+    are kept per model and per (batch, prompt columns, total columns), the last
+    ``MAX_GRAPHS_PER_MODEL`` of them: a training loop that samples the same batch size each step
+    replays graphs captured in its first steps.
     A graph reads the weights in place, so an optimiser's in-place updates are seen; if a
     parameter tensor has been replaced (``model.to(...)``, say), the graph is captured again.
     """
