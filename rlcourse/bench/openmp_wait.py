@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 
+import rlcourse
 from rlcourse.bench._workers import start_worker, worker_result
 
 
@@ -29,7 +30,7 @@ def _worker(args) -> dict:
         # rlcourse (imported to run this module) has filled in its defaults; take them out again
         # before torch loads OpenMP, which reads them once.
         assert "torch" not in sys.modules, "torch loaded before the OpenMP variables were chosen"
-        for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        for name in rlcourse.OPENMP_DEFAULTS:
             os.environ.pop(name, None)
     import torch
 

@@ -171,11 +171,11 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
     if was_training:        # toggling every module's mode costs ~1 ms per call on a tiny model
         model.eval()
     try:
-        lean = engine != "hf" and fast_gpt2.supports(model)
-        if engine in ("lean", "static") and not lean:
+        fast_path = engine != "hf" and fast_gpt2.supports(model)     # one of fast_gpt2's decoders
+        if engine in ("lean", "static") and not fast_path:
             raise ValueError(f"engine={engine!r} decodes plain GPT-2 models only (rlcourse.lm.fast_gpt2."
                              f"supports); use engine='auto' or 'hf' for a {type(model).__name__}")
-        if lean:
+        if fast_path:
             if engine == "static" or (engine == "auto" and dev.type == "cuda"):
                 decoder = static_decoder(model, prompt_mask, max_new_tokens, prefill_rows=rows)
             else:
