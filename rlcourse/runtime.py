@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+from contextlib import contextmanager
 
 # rlcourse/__init__.py has already set OMP_WAIT_POLICY: a package runs before its modules.
 import numpy as np
@@ -83,6 +84,26 @@ def set_threads(n: int | None = None) -> int:
         raise ValueError(f"threads must be >= 1, got {n}")
     torch.set_num_threads(n)
     return n
+
+
+@contextmanager
+def intra_op_threads(n: int):
+    """Run the block with torch's intra-op thread count at ``n``; the count before comes back after.
+
+    For work whose every operation is too small to split: waking another thread for each of many
+    tiny kernels can cost more than the thread saves (see :func:`rlcourse.lm.sampling.decode_threads`).
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive integer (threads), got {n!r}")
+    before = torch.get_num_threads()
+    if n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def describe() -> str:

@@ -7,7 +7,9 @@ model almost never ends early, so every method produces ``batch x new`` tokens) 
 of left-padded, variable-length prompts, at temperature 1 with no top-k, in one process:
 
 * ``rlcourse.lm.sample`` - KV cache, plus the per-token log-probs and masks that RL needs; on a GPU
-  its decoding step is a CUDA-graph replay, and the eager ``engine="lean"`` is timed beside it;
+  its decoding step is a CUDA-graph replay, and the eager ``engine="lean"`` is timed beside it; on
+  a CPU, where a small batch decodes on one thread (``rlcourse.lm.sampling.decode_threads``), the
+  sampler on every thread is timed beside it;
 * ``model.generate(use_cache=True, do_sample=True)`` - transformers' generation loop;
 * a no-cache loop - a full forward pass over the whole sequence for every new token.
 
@@ -26,7 +28,7 @@ import torch
 
 from rlcourse.lm import AdditionTask, build_char_tokenizer, make_model, sample, sequence_logprobs
 from rlcourse.lm.logprobs import position_ids_from_mask
-from rlcourse.lm.sampling import encode_prompts
+from rlcourse.lm.sampling import decode_threads, encode_prompts
 from rlcourse.runtime import describe, device
 
 
@@ -84,6 +86,9 @@ def main(argv: list[str]) -> int:
     if dev.type == "cuda":
         methods["rlcourse sample, engine='lean' (no graph)"] = lambda: sample(
             model, tokenizer, prompts, args.new, generator=gen, engine="lean").completion_mask.numel()
+    if dev.type == "cpu" and decode_threads(model, args.batch) < args.threads:
+        methods[f"rlcourse sample, cpu_threads={args.threads}"] = lambda: sample(
+            model, tokenizer, prompts, args.new, generator=gen, cpu_threads=args.threads).completion_mask.numel()
     times = {name: [] for name in methods}
     tokens = {}
     load_before = os.getloadavg()[0]

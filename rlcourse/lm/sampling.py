@@ -33,6 +33,7 @@ from rlcourse.lm import fast_gpt2
 from rlcourse.lm.fast_gpt2 import GPT2Decoder, static_decoder
 from rlcourse.lm.logprobs import position_ids_from_mask
 from rlcourse.lm.tokenizer import check_encodable
+from rlcourse.runtime import intra_op_threads
 
 
 @dataclass
@@ -122,11 +123,31 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 ENGINES = ("auto", "lean", "static", "hf")
 
+# A decoding step multiplies a (batch, width) block of hidden states by every weight matrix: ~50
+# kernels per token, each tiny for the course's models. Up to this many elements per block, waking
+# a second OpenMP thread for each kernel costs more than the thread saves. Measured on the 2-core
+# laptop: the tiny model (width 64) samples 64 prompts x 4 tokens in 5.4 ms on one thread against
+# 7.4 ms on two; at 256 x 64 or 64 x 128 two threads win. `python -m rlcourse.bench sampling`
+# times both.
+ONE_THREAD_MAX_ELEMENTS = 64 * 64
+
+
+def decode_threads(model, batch: int) -> int:
+    """Intra-op threads for decoding ``batch`` rows on a CPU: 1 for a small step, else torch's count.
+
+    Small means ``batch * width <= ONE_THREAD_MAX_ELEMENTS``, with ``width`` the model's embedding
+    size. The choice changes the speed, not the draws: one thread and two give the same tokens
+    (but for a draw within ~1e-6 of the line between two tokens) and log-probs that agree to ~1e-6
+    (a few sums are added in another order; ``tests/test_lm_sampling.py``).
+    """
+    width = model.get_input_embeddings().embedding_dim
+    return 1 if batch * width <= ONE_THREAD_MAX_ELEMENTS else torch.get_num_threads()
+
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, generator: torch.Generator | None = None,
-           engine: str = "auto") -> Rollout:
+           engine: str = "auto", cpu_threads: int | None = None) -> Rollout:
     """Sample one completion per prompt, batched, with a KV cache. See the module docstring.
 
     ``temperature=0`` decodes greedily. ``generator`` (a ``torch.Generator`` on the model's
@@ -138,6 +159,10 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
     with the model's own forward and a ``DynamicCache`` (``"hf"`` forces that). ``"lean"`` attends
     to the columns written so far; ``"static"`` runs a fixed-shape step that a CUDA graph replays
     on a GPU (on a CPU it runs the same step eagerly). All four give the same log-probs to ~1e-6.
+
+    ``cpu_threads`` is the intra-op thread count while decoding on a CPU (torch's count is restored
+    after); ``None`` lets :func:`decode_threads` pick one thread for a small batch and torch's
+    count otherwise.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -147,6 +172,8 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be None or a positive integer, got {top_k!r}")
+    if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
+        raise ValueError(f"cpu_threads must be None or a positive integer, got {cpu_threads!r}")
     dev = next(model.parameters()).device
     if generator is not None and generator.device.type != dev.type:
         raise ValueError(f"generator must live on the model's device ({dev}), got one on "
@@ -167,36 +194,39 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
         raise ValueError(f"prompt length {prompt_ids.shape[1]} + max_new_tokens {max_new_tokens} "
                          f"exceeds the model's {limit} positions")
 
+    # On a CPU a small batch decodes on one thread (decode_threads); the tokens are the same.
+    threads = (cpu_threads or decode_threads(model, batch)) if dev.type == "cpu" else torch.get_num_threads()
     was_training = model.training
     if was_training:        # toggling every module's mode costs ~1 ms per call on a tiny model
         model.eval()
     try:
-        fast_path = engine != "hf" and fast_gpt2.supports(model)     # one of fast_gpt2's decoders
-        if engine in ("lean", "static") and not fast_path:
-            raise ValueError(f"engine={engine!r} decodes plain GPT-2 models only (rlcourse.lm.fast_gpt2."
-                             f"supports); use engine='auto' or 'hf' for a {type(model).__name__}")
-        if fast_path:
-            if engine == "static" or (engine == "auto" and dev.type == "cuda"):
-                decoder = static_decoder(model, prompt_mask, max_new_tokens, prefill_rows=rows)
+        with intra_op_threads(threads):
+            fast_path = engine != "hf" and fast_gpt2.supports(model)     # one of fast_gpt2's decoders
+            if engine in ("lean", "static") and not fast_path:
+                raise ValueError(f"engine={engine!r} decodes plain GPT-2 models only (rlcourse.lm.fast_gpt2."
+                                 f"supports); use engine='auto' or 'hf' for a {type(model).__name__}")
+            if fast_path:
+                if engine == "static" or (engine == "auto" and dev.type == "cuda"):
+                    decoder = static_decoder(model, prompt_mask, max_new_tokens, prefill_rows=rows)
+                else:
+                    decoder = GPT2Decoder(model, prompt_mask, max_new_tokens, prefill_rows=rows)
+                logits = decoder.prefill(distinct_ids, position_ids_from_mask(distinct_mask))
             else:
-                decoder = GPT2Decoder(model, prompt_mask, max_new_tokens, prefill_rows=rows)
-            logits = decoder.prefill(distinct_ids, position_ids_from_mask(distinct_mask))
-        else:
-            decoder = _HFDecoder(model, prompt_mask)
-            logits = decoder.prefill(prompt_ids, position_ids_from_mask(prompt_mask))
-        finished = torch.zeros(batch, dtype=torch.bool, device=dev)
-        tokens, logps, masks = [], [], []
-        for step in range(max_new_tokens):
-            token, logp = _next_token(logits.float(), temperature, top_k, generator)
-            alive = ~finished
-            token = torch.where(alive, token, torch.full_like(token, pad_id))
-            tokens.append(token)
-            logps.append(torch.where(alive, logp, torch.zeros_like(logp)))
-            masks.append(alive.long())
-            finished = finished | (token == eos_id)
-            if step == max_new_tokens - 1 or bool(finished.all()):
-                break
-            logits = decoder.step(token)
+                decoder = _HFDecoder(model, prompt_mask)
+                logits = decoder.prefill(prompt_ids, position_ids_from_mask(prompt_mask))
+            finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+            tokens, logps, masks = [], [], []
+            for step in range(max_new_tokens):
+                token, logp = _next_token(logits.float(), temperature, top_k, generator)
+                alive = ~finished
+                token = torch.where(alive, token, torch.full_like(token, pad_id))
+                tokens.append(token)
+                logps.append(torch.where(alive, logp, torch.zeros_like(logp)))
+                masks.append(alive.long())
+                finished = finished | (token == eos_id)
+                if step == max_new_tokens - 1 or bool(finished.all()):
+                    break
+                logits = decoder.step(token)
     finally:
         if was_training:
             model.train()
