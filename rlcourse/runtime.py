@@ -92,6 +92,8 @@ def intra_op_threads(n: int):
 
     For work whose every operation is too small to split: waking another thread for each of many
     tiny kernels can cost more than the thread saves (see :func:`rlcourse.lm.sampling.decode_threads`).
+    The count is process-wide: two Python threads inside this block at once would change each
+    other's.
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive integer (threads), got {n!r}")
