@@ -150,8 +150,13 @@ def test_next_token_logprobs_are_distributions(model, tok):
 
 def test_sequence_logprobs_has_gradients(model, tok):
     roll = sample(model, tok, PROMPTS, 5, generator=torch.Generator().manual_seed(10))
+    # Decoding runs under inference_mode; what it returns must be ordinary tensors that a backward
+    # pass may save (a product saves both factors) and that may be changed in place.
+    fields = (roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask, roll.logprobs)
+    assert not any(t.is_inference() for t in fields)
     lp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, roll.completion_mask, roll.prompt_mask)
-    lp.sum().backward()
+    (lp * roll.logprobs.exp()).sum().backward()
+    roll.logprobs.mul_(1.0)
     assert model.transformer.wte.weight.grad is not None
     model.zero_grad(set_to_none=True)
 
