@@ -296,15 +296,18 @@ def test_kept_cuda_graphs_do_not_keep_their_model_alive(tok):
     assert len(fast_gpt2._GRAPHED) == before - 1
 
 
-def test_small_batches_decode_on_one_thread_with_the_same_numbers(model, tok):
+def test_small_batches_decode_on_one_thread_with_the_same_numbers(model, tok, monkeypatch):
     """decode_threads: one thread for a small step on a CPU, the same draws as two; torch's count restored."""
-    from rlcourse.lm.sampling import decode_threads
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert decode_threads(model, 64) == 1               # 64 rows x width 64: one thread
-        assert decode_threads(model, 256) == 2              # a bigger step keeps torch's count
-        prompts = PROMPTS * 11                               # 66 rows: two threads by the rule
+    from rlcourse.lm import sampling
+    from rlcourse.runtime import intra_op_threads
+
+    def fail_mid_decoding(self, token):
+        raise RuntimeError("cache holds")
+
+    with intra_op_threads(2):
+        assert sampling.decode_threads(model, 64) == 1      # 64 rows x width 64: one thread
+        assert sampling.decode_threads(model, 256) == 2     # a bigger step keeps torch's count
+        prompts = PROMPTS * 11                               # 66 rows, each thread count forced below
         rolls = [sample(model, tok, prompts, 6, generator=torch.Generator().manual_seed(5), cpu_threads=n)
                  for n in (1, 2)]
         assert torch.get_num_threads() == 2
@@ -312,14 +315,7 @@ def test_small_batches_decode_on_one_thread_with_the_same_numbers(model, tok):
         assert torch.allclose(rolls[0].logprobs, rolls[1].logprobs, atol=1e-6, rtol=0)
         with pytest.raises(ValueError, match="cpu_threads"):
             sample(model, tok, PROMPTS, 3, cpu_threads=0)
+        monkeypatch.setattr(sampling.GPT2Decoder, "step", fail_mid_decoding)
         with pytest.raises(RuntimeError, match="cache holds"):     # an error inside the decoding loop
-            from rlcourse.lm import sampling
-            real = sampling.GPT2Decoder.step
-            sampling.GPT2Decoder.step = lambda self, token: (_ for _ in ()).throw(RuntimeError("cache holds"))
-            try:
-                sample(model, tok, PROMPTS, 3, engine="lean", cpu_threads=1)
-            finally:
-                sampling.GPT2Decoder.step = real
+            sample(model, tok, PROMPTS, 3, engine="lean", cpu_threads=1)
         assert torch.get_num_threads() == 2                 # restored after the error too
-    finally:
-        torch.set_num_threads(before)
