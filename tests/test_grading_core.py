@@ -32,3 +32,18 @@ def test_fail_if_mistake_names_the_mistake_only_when_it_is_recognisable():
     fail_if_mistake("check_x", "case", expected, expected.copy(), expected.copy(), "the hint")
     # A different shape is not the mistake: assert_close reports it.
     fail_if_mistake("check_x", "case", expected, np.ones(3), mistake, "the hint")
+
+
+def test_an_untouched_argument_holding_nan_is_not_called_modified():
+    import torch
+
+    from rlcourse.grading._core import call_unmutated
+
+    t = torch.tensor([float("nan"), 1.0, -float("inf")])
+    a = np.array([np.nan, 2.0])
+    assert call_unmutated("check_x", "nan left alone", lambda x, y: 0, t, a) == 0
+
+    def writes(x, y):
+        x[1] = 5.0
+    with pytest.raises(CheckFailed, match="modified in place"):
+        call_unmutated("check_x", "a value written next to a nan", writes, t, a)

@@ -99,6 +99,33 @@ LEARNERS = {
 }
 
 
+PASTED = ("def my_helper(r, g):\n"
+          "    r = np.asarray(r, dtype=float)\n"
+          "    if r.ndim != 1:\n"
+          "        raise ValueError(f'bad shape {r.shape}')\n"
+          "    _check_unit_interval('gamma', g)\n"
+          "    if not np.isfinite(r).all():\n"
+          "        raise ValueError('not finite')\n"
+          "    return float(np.sum(g ** np.arange(len(r)) * r))")
+CALLS_HELPER = "def discounted_return(rewards, gamma):\n    return my_helper(rewards, gamma)"
+LEARNERS.update({
+    # the reference's source pasted as a helper (renamed, no docstring, messages re-worded)
+    "erin": [IMPORTS + "\nfrom rlcourse.returns import _check_unit_interval", PASTED, CALLS_HELPER, CHECK_1,
+             RTG_OK, CHECK_2],
+    # the same source held in a string and exec'd
+    "frank": [IMPORTS + "\nfrom rlcourse.returns import _check_unit_interval", f"exec({PASTED!r})", CALLS_HELPER,
+              CHECK_1, RTG_OK, CHECK_2],
+    # a wrong answer that, when called, turns the grading helpers into no-ops where it runs
+    "gina": [IMPORTS, "import sys\ndef discounted_return(rewards, gamma):\n"
+                      "    for name, m in list(sys.modules.items()):\n"
+                      "        if name.startswith('rlcourse.grading'):\n"
+                      "            for h in ('fail', 'assert_close', 'fail_if_mistake'):\n"
+                      "                if hasattr(m, h):\n"
+                      "                    setattr(m, h, lambda *a, **k: None)\n"
+                      "    return 0.0", CHECK_1, RTG_OK, CHECK_2],
+})
+
+
 @pytest.fixture(scope="module")
 def graded_class(tmp_path_factory):
     root = tmp_path_factory.mktemp("grading")
@@ -146,6 +173,25 @@ def test_a_patched_helper_changes_nothing(graded_class):
     _, rows = graded_class
     assert rows["carol"]["99_tiny:check_reward_to_go"] == "failed"       # the real check ran, in a clean process
     assert "patches the grader (core.assert_close)" in rows["carol"]["notes"]
+
+
+def test_a_pasted_reference_is_found_in_the_notebooks_text(graded_class):
+    _, rows = graded_class
+    assert rows["erin"]["99_tiny:check_discounted_return"] == "reference"
+    assert "copy of the reference implementation rlcourse.returns:discounted_return" in rows["erin"]["notes"]
+    assert rows["erin"]["99_tiny:check_reward_to_go"] == "passed"
+
+
+def test_source_run_from_a_string_is_found_and_flagged(graded_class):
+    _, rows = graded_class
+    assert rows["frank"]["99_tiny:check_discounted_return"] == "reference"
+    assert "runs code the grader cannot read (exec)" in rows["frank"]["notes"]
+
+
+def test_an_answer_that_disarms_the_grader_where_it_runs_still_fails(graded_class):
+    _, rows = graded_class
+    assert rows["gina"]["99_tiny:check_discounted_return"] == "failed"
+    assert rows["gina"]["99_tiny:check_reward_to_go"] == "passed"
 
 
 # ----------------------------------------------------------------------------- what the learner sees

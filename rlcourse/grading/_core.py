@@ -118,7 +118,13 @@ def _unchanged(old, new) -> bool:
     if old is None:
         return True
     if _is_tensor(new):
-        return old.shape == new.shape and bool((old == new.detach()).all() | (old.isnan() & new.detach().isnan()).all())
+        new = new.detach()
+        if old.shape != new.shape or old.dtype != new.dtype:
+            return False
+        same = old == new
+        if old.is_floating_point() or old.is_complex():
+            same = same | (old.isnan() & new.isnan())      # elementwise: a NaN left where it was is unchanged
+        return bool(same.all())
     if isinstance(new, np.ndarray):
         return old.shape == new.shape and np.array_equal(old, new, equal_nan=new.dtype.kind == "f")
     return old == new

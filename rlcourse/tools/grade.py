@@ -11,10 +11,15 @@ How a notebook is graded, so that the score can be trusted:
 1. its code cells are compared with the manifest of its check cells written when the exercises
    were generated (:mod:`rlcourse.tools.checkcells`): a check cell missing, edited or moved, a
    ``check_*`` redefined, or the grader patched, is reported as *tampered*;
+   The notebook's text is also read for copies of the checks' reference implementations
+   (:mod:`rlcourse.tools.copies`) and for code run from strings (``exec``, ``eval``, ``compile``,
+   ``importlib.reload``, assignments to ``__code__``), which the grader cannot read;
 2. the notebook runs top to bottom in a fresh kernel; at each check cell, instead of running the
    cell, the kernel hands over the learner's function as it is at that point (cloudpickle);
 3. a separate clean process (:mod:`rlcourse.tools.grade_runner`) calls ``rlcourse.grading``'s own
-   check on it and flags an answer that is, copies or calls the reference implementation.
+   check on it, while the learner's function runs in a process of its own
+   (:mod:`rlcourse.tools.grade_worker`) that flags an answer that is, copies or calls the
+   reference implementation.
 
 The exit status is 0 only when every check of every notebook passed, untampered, with no cell
 failing.
@@ -118,6 +123,44 @@ def _error_of(outputs) -> str | None:
     return None
 
 
+_HIDDEN_CODE = {"exec": "exec", "eval": "eval", "compile": "compile", "reload": "importlib.reload",
+                "__code__": "an assignment to __code__"}
+
+
+def hidden_code(source: str) -> list[str]:
+    """What in a cell runs code the grader cannot read: ``exec``/``eval``/``compile``, a module
+    re-loaded, a function's code replaced."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else \
+                node.func.attr if isinstance(node.func, ast.Attribute) else None
+            if name in ("exec", "eval", "compile", "reload"):
+                found.append(_HIDDEN_CODE[name])
+        elif isinstance(node, ast.Attribute) and node.attr == "__code__" and isinstance(node.ctx, ast.Store):
+            found.append(_HIDDEN_CODE["__code__"])
+    return found
+
+
+def static_copies(nb, manifest: list[dict]) -> dict[int, str]:
+    """``{manifest index: why}`` for checks whose reference implementation the notebook's text copies."""
+    import rlcourse.grading as grading
+    from rlcourse.tools import copies
+
+    cells = [(i, c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    found = {}
+    for k, entry in enumerate(manifest):
+        references = getattr(getattr(grading, entry["check"], None), "references", ())
+        hits = copies.find_copies(cells, list(references), answer=entry["function"])
+        if hits:
+            found[k] = "; ".join(str(h) for h in hits)
+    return found
+
+
 def _manifest_for(path: Path, nb, manifests: Path | None):
     entries = checkcells.shipped_manifest(path.name, manifests or checkcells.MANIFESTS)
     if entries is not None:
@@ -146,6 +189,11 @@ def grade_notebook(path: Path, manifests: Path | None = None, timeout: int = 600
     for k, why in audit.problems.items():
         grade.rows[k].outcome, grade.rows[k].message = "tampered", why
     grade.problems += [f"tampered: {p}" for p in audit.notebook_problems]
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            grade.problems += [f"tampered: {_where(nb, i)} runs code the grader cannot read ({what})"
+                               for what in dict.fromkeys(hidden_code(cell.source))]
+    copied = static_copies(nb, manifest)
     at_cell = {c: k for k, c in enumerate(audit.cells) if c is not None and k not in audit.problems}
     tampered_cells = {c for k, c in enumerate(audit.cells) if c is not None and k in audit.problems}
 
@@ -193,6 +241,9 @@ def grade_notebook(path: Path, manifests: Path | None = None, timeout: int = 600
                 result = results.get(str(capture["index"]),
                                      {"outcome": "error", "message": "the check crashed or ran out of time"})
                 row.outcome, row.message = result["outcome"], result["message"]
+    for k, why in copied.items():
+        if grade.rows[k].outcome != "tampered":
+            grade.rows[k].outcome, grade.rows[k].message = "reference", why
     return grade
 
 

@@ -1,27 +1,41 @@
-"""Run the checks of one graded notebook in a clean process: ``python -m rlcourse.tools.grade_runner DIR``.
+"""Run the checks of one graded notebook: ``python -m rlcourse.tools.grade_runner DIR``.
 
-``grade`` executes the learner's notebook in a kernel, and at each check cell it saves (with
-cloudpickle) the arguments of the check, the learner's function first, instead of running the
-cell. This process, which has run none of the notebook's cells, then imports ``rlcourse.grading``
-afresh and calls each ``check_*`` on those functions. A check redefined in the notebook, or a
-grading helper patched there, therefore changes nothing.
+``grade`` executes the learner's notebook in a kernel and, at each check cell, saves the learner's
+function (cloudpickle) instead of running the cell. This process, the *judge*, runs no cell of the
+notebook and never loads the learner's code: it imports ``rlcourse.grading`` afresh and calls each
+``check_*`` on a stand-in, a :class:`~rlcourse.tools.grade_wire.RemoteFunction`. Each call of the
+stand-in is carried out by a *worker* process (:mod:`rlcourse.tools.grade_worker`) that holds the
+learner's function, and what it returns comes back as data (:mod:`rlcourse.tools.grade_wire`).
+Every comparison and the verdict happen here, where no learner code has run: an answer that patches
+``sys.modules``, the grading helpers or the check itself patches them in the worker only.
 
-It also tells whether an answer *is* the reference implementation, a copy of its code, or merely
-calls it: every check names its references (``rlcourse.grading._core.references``), and while the
-learner's function runs, a profiler watches for calls into them.
+The verdict ``reference`` (the answer is, copies or calls the reference implementation) comes from
+the worker's tripwires and fingerprints (see :mod:`~rlcourse.tools.grade_worker`) and, before the
+notebook runs, from :mod:`rlcourse.tools.copies` on the notebook's text.
 
 ``DIR/captures.json`` lists ``{"index", "check", "file"}``; results go to ``DIR/results.json``.
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
-import functools
 import importlib
 import io
 import json
+import multiprocessing
 import sys
-import traceback
+import types
 from pathlib import Path
+
+import cloudpickle
+
+from rlcourse.tools import grade_wire as wire
+
+# Built-in exceptions a learner's error keeps its type as (a check may expect a ValueError).
+_BUILTIN_ERRORS = {name: obj for name, obj in vars(builtins).items()
+                   if isinstance(obj, type) and issubclass(obj, Exception) and obj.__module__ == "builtins"}
+_PRELOAD = ["rlcourse.tools.grade_worker"]
+_context = None
 
 
 def resolve(name: str):
@@ -32,101 +46,241 @@ def resolve(name: str):
     return obj
 
 
-def _unwrap(fn):
-    seen = 0
-    while seen < 10:
-        seen += 1
-        if isinstance(fn, functools.partial):
-            fn = fn.func
-        elif hasattr(fn, "__wrapped__"):
-            fn = fn.__wrapped__
-        else:
-            return fn
-    return fn
+def _fork_context():
+    """Workers are forked from a server that imported torch and rlcourse once (and ran nothing)."""
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
 
 
-def _same_code(a, b) -> bool:
-    ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    return ca is not None and cb is not None and ca.co_code == cb.co_code and ca.co_names == cb.co_names \
-        and ca.co_consts == cb.co_consts
+class ReferenceUsed(Exception):
+    """The answer called a reference implementation (its tripwire fired in the worker)."""
 
 
-def reference_verdict(fn, references: dict) -> str | None:
-    """Why ``fn`` is the reference itself or a copy of it, or ``None``."""
-    inner = _unwrap(fn)
-    for name, ref in references.items():
-        if fn is ref or inner is ref:
-            return f"the answer is the reference implementation {name} itself"
-        if _same_code(inner, ref):
-            return f"the answer is a copy of the reference implementation {name}"
-    return None
+class WorkerGone(Exception):
+    """The worker died, hung or sent something unreadable."""
 
 
-def traced(fn, references: dict, calls: set):
-    """``fn`` wrapped so that any call into a reference while it runs is recorded in ``calls``."""
-    codes = {getattr(_unwrap(ref), "__code__", None): name for name, ref in references.items()}
-    codes.pop(None, None)
+class _JudgePickler(cloudpickle.Pickler):
+    """Pickles a call's arguments for the worker: the judge's own local functions stay here."""
 
-    def profiler(frame, event, arg):
-        if event == "call" and frame.f_code in codes:
-            calls.add(codes[frame.f_code])
+    def __init__(self, file, session):
+        super().__init__(file)
+        self.session = session
 
-    @functools.wraps(fn)
-    def learner_function(*args, **kwargs):
-        previous = sys.getprofile()
-        sys.setprofile(profiler)
+    def reducer_override(self, obj):
+        from rlcourse.tools import grade_worker
+
+        if isinstance(obj, wire.RemoteFunction):
+            if obj._session is not self.session:
+                raise wire.WireError("a learner function from another worker was passed on")
+            return grade_worker.judge_function, (obj._handle,)
+        if isinstance(obj, (types.FunctionType, types.MethodType)) and self.session.keeps_here(obj):
+            return grade_worker.judge_callback, (self.session.register_callback(obj), getattr(obj, "__name__", "f"))
+        return super().reducer_override(obj)
+
+
+class Session:
+    """One worker holding one learner function, and the judge's side of the conversation."""
+
+    def __init__(self, capture_file: str, references: dict[str, str], timeout: float = 600.0):
+        from rlcourse.tools import grade_worker
+
+        context = _fork_context()
+        self.timeout = timeout
+        self.conn, child = context.Pipe()
+        self.trips, trip_child = context.Pipe(duplex=False)
+        self.process = context.Process(target=grade_worker.serve, daemon=True,
+                                       args=(child, trip_child, capture_file, references))
+        self.process.start()
+        child.close()
+        trip_child.close()
+        self.callbacks: list = []
+        self.functions: dict = {}
+        self.pending: BaseException | None = None      # a callback's error, raised when the call ends
+        self.calls: list[dict] = []                     # path -> object for each call under way
+        _, self.callable, value, problems, self.copies = self._wait(("hello",))
+        if problems:
+            raise WorkerGone(problems[0])
+        self.answer = (wire.RemoteFunction(self, 0, {}) if self.callable
+                       else wire.Decoder(self, {}, self.functions).decode(value))
+        self.functions[("fn", 0)] = self.answer
+
+    # -- the conversation ------------------------------------------------------------------------
+    def keeps_here(self, fn) -> bool:
+        """The judge's own local functions (a check's callback) run here, not in the worker."""
+        qualname = getattr(fn, "__qualname__", "")
+        return "<locals>" in qualname or "<lambda>" in qualname or getattr(fn, "__module__", None) == "__main__"
+
+    def register_callback(self, fn) -> int:
+        self.callbacks.append(fn)
+        self.functions[("cb", len(self.callbacks) - 1)] = fn
+        return len(self.callbacks) - 1
+
+    def _send(self, *message) -> None:
+        buffer = io.BytesIO()
+        _JudgePickler(buffer, self).dump(message)
         try:
-            return fn(*args, **kwargs)
+            self.conn.send_bytes(buffer.getvalue())
+        except (OSError, EOFError):
+            raise WorkerGone("the process running the answer stopped") from None
+
+    def _wait(self, kinds: tuple):
+        """Read the worker's messages, running the callbacks it asks for, until one of ``kinds``."""
+        while True:
+            try:
+                if not self.conn.poll(self.timeout):
+                    self.close(kill=True)
+                    raise WorkerGone(f"the answer ran past {self.timeout:.0f} s")
+                message = wire.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                raise WorkerGone("the process running the answer stopped (it crashed or exited)") from None
+            if not isinstance(message, tuple) or not message or not isinstance(message[0], str):
+                raise WorkerGone("the process running the answer sent something unreadable")
+            if message[0] in kinds:
+                return message
+            if message[0] == "callback":
+                self._run_callback(message[1], message[2])
+            else:
+                raise WorkerGone(f"unexpected message {message[0]!r} from the worker")
+
+    def _run_callback(self, index: int, encoded) -> None:
+        __tracebackhide__ = True
+        if not isinstance(index, int) or not 0 <= index < len(self.callbacks):
+            raise WorkerGone("the worker asked for a callback it was never given")
+        paths = self.calls[-1] if self.calls else {}
+        args, kwargs = wire.Decoder(self, paths, self.functions).decode(encoded)
+        try:
+            value = self.callbacks[index](*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001  (the check's own failure: it ends the call)
+            self.pending = self.pending or e
+            self._send("callback_result", False, f"{type(e).__name__}")
+            return
+        self._send("callback_result", True, value)
+
+    def call(self, handle: int, args: tuple, kwargs: dict):
+        """Call the worker's function ``handle`` on the judge's arguments, as if it ran here."""
+        __tracebackhide__ = True
+        paths = dict(wire.object_paths(args, kwargs))
+        self._send("call", handle, args, kwargs)
+        self.calls.append(paths)
+        try:
+            reply = self._wait(("return", "raise", "aborted"))
         finally:
-            sys.setprofile(previous)
+            self.calls.pop()
+        state = reply[-1]
+        if state is not None:
+            mirror = wire.Decoder(self, paths, self.functions)
+            new_args, new_kwargs = state[1]
+            for target, node in zip(args, new_args[1]):
+                mirror.mirror(target, node)
+            for key, node in new_kwargs[2]:
+                if isinstance(key, tuple) and key[0] == "v" and key[1] in kwargs:
+                    mirror.mirror(kwargs[key[1]], node)
+        if self.pending is not None:
+            error, self.pending = self.pending, None
+            raise error
+        if reply[0] == "aborted":
+            raise WorkerGone("the answer was stopped")
+        if reply[0] == "raise":
+            _, name, message, where, _ = reply
+            raise _learner_error(name, message, where)
+        return wire.Decoder(self, paths, self.functions).decode(reply[1])
 
-    return learner_function
+    def vector_jacobian_product(self, handle: int, grad_output):
+        self._send("vjp", handle, grad_output.detach())
+        reply = self._wait(("vjp_result", "vjp_error"))
+        if reply[0] == "vjp_error":
+            raise RuntimeError(f"the answer's gradient could not be computed: {reply[1]}")
+        grads = reply[1]
+        if not isinstance(grads, list) or not all(g is None or hasattr(g, "shape") for g in grads):
+            raise WorkerGone("the worker sent an unreadable gradient")
+        return grads
+
+    def close(self, kill: bool = False) -> list[str]:
+        """End the worker; return what its last scan found (copies, replaced references)."""
+        found = []
+        if not kill and self.process.is_alive():
+            try:
+                self._send("close")
+                found = list(self._wait(("bye",))[1])
+            except (WorkerGone, wire.WireError):
+                found = []
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        return found
+
+    def tripped(self) -> list[str]:
+        """The references the answer called, and the worker's own reports, from the trip channel."""
+        seen = []
+        try:
+            while self.trips.poll(0):
+                seen.append(self.trips.recv_bytes().decode(errors="replace"))
+        except (EOFError, OSError):
+            pass
+        return seen
 
 
-def _learner_line(exc: BaseException) -> str:
-    """Where in the learner's own code an unexpected error was raised."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/rlcourse/" not in f.filename.replace("\\", "/")
-              and "site-packages" not in f.filename]
-    if not frames:
-        return ""
-    last = frames[-1]
-    return f" (in {last.name}, line {last.lineno}: {last.line})" if last.line else f" (in {last.name})"
+def _learner_error(name: str, message: str, where: str) -> BaseException:
+    if name == "ReferenceUsed":
+        return ReferenceUsed(message)
+    if name == "CheckFailed":
+        name = "AssertionError"
+    cls = _BUILTIN_ERRORS.get(name)
+    error = cls(message) if cls is not None else RuntimeError(f"{name}: {message}")
+    error.learner_line = where
+    return error
 
 
-def run_one(capture: dict) -> dict:
-    import cloudpickle
+def run_one(capture: dict, timeout: float = 600.0) -> dict:
     import rlcourse.grading as grading
 
     check = getattr(grading, capture["check"], None)
     if check is None:
         return {"outcome": "error", "message": f"rlcourse.grading has no {capture['check']}"}
-    with open(capture["file"], "rb") as f:
-        args, kwargs = cloudpickle.load(f)
-    fn = args[0]
-    references = {}
-    for name in getattr(check, "references", ()):
-        try:
-            references[name] = resolve(name)
-        except (ImportError, AttributeError):
-            pass
-    verdict = reference_verdict(fn, references)
-    if verdict:
-        return {"outcome": "reference", "message": verdict}
-    calls: set = set()
+    references = {name: name for name in getattr(check, "references", ())}
+    try:
+        session = Session(capture["file"], references, timeout)
+    except (WorkerGone, wire.WireError) as e:
+        return {"outcome": "error", "message": str(e)}
+    outcome = _judge(check, session)
+    trips = session.tripped()
+    late = session.close(kill=outcome.get("kill", False))
+    trips += session.tripped()
+    called = sorted({t for t in trips if not t.startswith("!")})
+    reports = sorted({t[1:] for t in trips if t.startswith("!")} | set(late))
+    if session.copies:
+        return {"outcome": "reference", "message": "; ".join(session.copies)}
+    if called:
+        return {"outcome": "reference", "message": f"the answer calls the reference {', '.join(called)}"}
+    if reports:
+        copies = [r for r in reports if "copy" in r or "compiled" in r]
+        return {"outcome": "reference" if copies else "tampered", "message": "; ".join(reports)}
+    outcome.pop("kill", None)
+    return outcome
+
+
+def _judge(check, session: Session) -> dict:
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            check(traced(fn, references, calls) if callable(fn) else fn, *args[1:], **kwargs)
+            check(session.answer)
     except NotImplementedError as e:
         return {"outcome": "not implemented", "message": f"NotImplementedError: {e}"}
+    except ReferenceUsed as e:
+        return {"outcome": "reference", "message": f"the answer calls the reference {e}"}
+    except WorkerGone as e:
+        return {"outcome": "error", "message": str(e), "kill": True}
+    except wire.WireError as e:
+        return {"outcome": "error", "message": str(e), "kill": True}
     except AssertionError as e:
-        if calls:
-            return {"outcome": "reference", "message": f"the answer calls the reference {', '.join(sorted(calls))}"}
         return {"outcome": "failed", "message": str(e)}
     except Exception as e:  # the learner's code raised: report it as the learner would see it
-        return {"outcome": "error", "message": f"{type(e).__name__}: {e}{_learner_line(e)}"}
-    if calls:
-        return {"outcome": "reference", "message": f"the answer calls the reference {', '.join(sorted(calls))}"}
+        return {"outcome": "error", "message": f"{type(e).__name__}: {e}{getattr(e, 'learner_line', '')}"}
     return {"outcome": "passed", "message": out.getvalue().strip()}
 
 
