@@ -137,10 +137,13 @@ def hidden_code(source: str) -> list[str]:
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
-            name = node.func.id if isinstance(node.func, ast.Name) else \
-                node.func.attr if isinstance(node.func, ast.Attribute) else None
-            if name in ("exec", "eval", "compile", "reload"):
-                found.append(_HIDDEN_CODE[name])
+            func = node.func
+            if isinstance(func, ast.Name) and func.id in _HIDDEN_CODE:        # exec(...), a reload imported bare
+                found.append(_HIDDEN_CODE[func.id])
+            elif isinstance(func, ast.Attribute) and (func.attr == "reload" or (   # importlib.reload, builtins.exec
+                    func.attr in ("exec", "eval", "compile") and isinstance(func.value, ast.Name)
+                    and func.value.id in ("builtins", "__builtins__"))):
+                found.append(_HIDDEN_CODE[func.attr])
         elif isinstance(node, ast.Attribute) and node.attr == "__code__" and isinstance(node.ctx, ast.Store):
             found.append(_HIDDEN_CODE["__code__"])
     return found
