@@ -7,10 +7,8 @@ pass), wrong ones (they must still fail) and the cheats a learner could try.
 """
 import copy
 import dataclasses
-import io
 import pickle
 import sys
-import threading  # noqa: F401  (the thread cheat below)
 
 import numpy as np
 import pytest

@@ -16,8 +16,8 @@ How a notebook is graded, so that the score can be trusted:
    ``importlib.reload``, assignments to ``__code__``), which the grader cannot read;
 2. the notebook runs top to bottom in a fresh kernel; at each check cell, instead of running the
    cell, the kernel hands over the learner's function as it is at that point (cloudpickle);
-3. a separate clean process (:mod:`rlcourse.tools.grade_runner`) calls ``rlcourse.grading``'s own
-   check on it, while the learner's function runs in a process of its own
+3. this process, which runs no learner code, calls ``rlcourse.grading``'s own check on it
+   (:mod:`rlcourse.tools.grade_runner`), while the learner's function runs in a process of its own
    (:mod:`rlcourse.tools.grade_worker`) that flags an answer that is, copies or calls the
    reference implementation.
 
@@ -28,18 +28,15 @@ from __future__ import annotations
 
 import ast
 import csv
-import json
-import os
 import re
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 
-from rlcourse.tools import checkcells
+from rlcourse.tools import checkcells, grade_runner
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -231,19 +228,10 @@ def grade_notebook(path: Path, manifests: Path | None = None, timeout: int = 600
         except Exception as e:  # a cell ran past the time limit, or the kernel died: grade what was handed over
             first = (str(e).splitlines() or [""])[0]
             grade.problems.append(f"the notebook stopped at {_where(nb, i)}: {type(e).__name__}: {first}"[:300])
-        if captures:
-            (tmp / "captures.json").write_text(json.dumps(captures))
-            try:
-                subprocess.run([sys.executable, "-m", "rlcourse.tools.grade_runner", str(tmp)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, timeout=timeout * 4)
-            except subprocess.TimeoutExpired:
-                grade.problems.append(f"the checks ran past {timeout * 4} s")
-            results = json.loads((tmp / "results.json").read_text()) if (tmp / "results.json").exists() else {}
-            for capture in captures:
-                row = grade.rows[capture["index"]]
-                result = results.get(str(capture["index"]),
-                                     {"outcome": "error", "message": "the check crashed or ran out of time"})
-                row.outcome, row.message = result["outcome"], result["message"]
+        for capture in captures:       # judged here: no learner code runs in this process
+            row = grade.rows[capture["index"]]
+            result = grade_runner.run_one(capture, timeout=timeout)
+            row.outcome, row.message = result["outcome"], result["message"]
     for k, why in copied.items():
         if grade.rows[k].outcome != "tampered":
             grade.rows[k].outcome, grade.rows[k].message = "reference", why

@@ -28,6 +28,7 @@ import types
 from pathlib import Path
 
 import cloudpickle
+import torch
 
 from rlcourse.tools import grade_wire as wire
 
@@ -79,6 +80,9 @@ class _JudgePickler(cloudpickle.Pickler):
             return grade_worker.judge_function, (obj._handle,)
         if isinstance(obj, (types.FunctionType, types.MethodType)) and self.session.keeps_here(obj):
             return grade_worker.judge_callback, (self.session.register_callback(obj), getattr(obj, "__name__", "f"))
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided:
+            grad = wire.raw(obj.grad) if obj.is_leaf and obj.grad is not None else None
+            return wire.rebuild, (wire.raw(obj), obj.requires_grad, isinstance(obj, torch.nn.Parameter), grad)
         return super().reducer_override(obj)
 
 
@@ -194,10 +198,9 @@ class Session:
         reply = self._wait(("vjp_result", "vjp_error"))
         if reply[0] == "vjp_error":
             raise RuntimeError(f"the answer's gradient could not be computed: {reply[1]}")
-        grads = reply[1]
-        if not isinstance(grads, list) or not all(g is None or hasattr(g, "shape") for g in grads):
+        if not isinstance(reply[1], list):
             raise WorkerGone("the worker sent an unreadable gradient")
-        return grads
+        return [None if g is None else wire.tensor(g) for g in reply[1]]
 
     def close(self, kill: bool = False) -> list[str]:
         """End the worker; return what its last scan found (copies, replaced references)."""

@@ -4,8 +4,9 @@
 (the *worker*, :mod:`rlcourse.tools.grade_worker`). The judge sends a call's arguments to the
 worker with cloudpickle (the judge's own objects: nothing to fear). What comes back is untrusted,
 so it is never unpickled as code: the worker turns it into a tree of tagged tuples holding only
-Python scalars, strings, bytes and tensors (:class:`Encoder`), written with ``torch.save`` and read
-by the judge with ``torch.load(weights_only=True)``, torch's restricted unpickler. The judge then
+Python scalars, strings and bytes, tensors and arrays as their raw bytes (:class:`Encoder`),
+pickled, and read by the judge with an unpickler that refuses every global name (:func:`loads`),
+so nothing but those builtin types can come out of it. The judge then
 builds plain values from the tree (:class:`Decoder`): containers, tensors, arrays; objects of the
 course's own trusted libraries rebuilt by ``object.__new__`` and their attributes, nothing
 called; anything else a read-only :class:`Opaque` record; a function a :class:`RemoteFunction`
@@ -31,6 +32,7 @@ import dataclasses
 import importlib
 import io
 import math
+import pickle
 from collections import OrderedDict, defaultdict
 
 import numpy as np
@@ -41,7 +43,7 @@ import torch
 TRUSTED = ("rlcourse", "torch", "numpy", "transformers", "tokenizers", "trl", "collections", "types",
            "dataclasses")
 MAX_NODES = 5_000_000
-_PRIMITIVES = (type(None), bool, int, float, complex, str, bytes)
+_PRIMITIVES = (type(None), bool, int, float, str, bytes)        # pickled without any global name
 
 
 class WireError(RuntimeError):
@@ -152,8 +154,11 @@ class Encoder:
             raise WireError("the answer is too large or too deeply nested to send to the grader")
         if type(obj) in _PRIMITIVES:
             return ("v", obj)
-        if isinstance(obj, np.generic):
-            return ("ns", obj.dtype.str, obj.item())
+        if isinstance(obj, complex):
+            return ("cplx", obj.real, obj.imag)
+        if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
+            value = obj.item()
+            return ("ns", obj.dtype.str, [value.real, value.imag] if isinstance(value, complex) else value)
         if isinstance(obj, _PRIMITIVES):        # a subclass (an enum, say): its plain value
             base = next(t for t in _PRIMITIVES if isinstance(obj, t))
             return ("v", base(obj) if base is not type(None) else None)
@@ -166,13 +171,8 @@ class Encoder:
         if isinstance(obj, np.ndarray):
             k = self._remember(obj)
             if obj.dtype.kind in "biufc" and obj.dtype.byteorder in "=|<":
-                try:
-                    return ("nd", k, torch.from_numpy(np.ascontiguousarray(obj).copy()), obj.dtype.str)
-                except TypeError:     # a dtype torch does not hold (uint32, ...): as a list
-                    pass
+                return ("nd", k, obj.dtype.str, list(obj.shape), np.ascontiguousarray(obj).tobytes())
             return ("ndlist", k, self.encode(obj.tolist(), depth + 1), obj.dtype.str, list(obj.shape))
-        if isinstance(obj, np.generic):
-            return ("ns", obj.dtype.str, obj.item())
         if isinstance(obj, torch.dtype):
             return ("dtype", str(obj).removeprefix("torch."))
         if isinstance(obj, torch.device):
@@ -180,7 +180,7 @@ class Encoder:
         if isinstance(obj, torch.Size):
             return ("size", list(obj))
         if isinstance(obj, torch.Generator):
-            return ("gen", self._remember(obj), obj.get_state(), str(obj.device))
+            return ("gen", self._remember(obj), raw(obj.get_state()), str(obj.device))
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return ("tuple", [self.encode(x, depth + 1) for x in obj])
         if isinstance(obj, list):
@@ -211,7 +211,7 @@ class Encoder:
     def _tensor(self, t: torch.Tensor, depth: int):
         k = self._remember(t)
         value = t.detach().clone()
-        grad = None if t.grad is None or t.grad is t else self.encode(t.grad, depth + 1)
+        grad = self.encode(t.grad, depth + 1) if t.is_leaf and t.grad is not None and t.grad is not t else None
         how = None
         if t.requires_grad:
             if t.grad_fn is None:
@@ -223,7 +223,7 @@ class Encoder:
                     how = ("graph", len(self.outputs) - 1, [path for _, path in reached])
                 else:
                     how = ("detached-graph",)
-        return ("t", k, value, isinstance(t, torch.nn.Parameter), how, grad)
+        return ("t", k, raw(value), isinstance(t, torch.nn.Parameter), how, grad)
 
     def _function(self, fn):
         if id(fn) in self.known_functions:
@@ -269,18 +269,59 @@ def _leaves_reached(t: torch.Tensor, arg_paths: dict) -> list:
     return reached
 
 
+def raw(t: torch.Tensor) -> tuple:
+    """A tensor as plain data: ``("T", dtype, shape, device, bytes)``."""
+    t = t.detach().contiguous()
+    host = t.cpu()
+    if host.dtype == torch.bfloat16:
+        host = host.view(torch.int16)
+    return ("T", str(t.dtype).removeprefix("torch."), list(t.shape), str(t.device), host.numpy().tobytes())
+
+
+def tensor(node) -> torch.Tensor:
+    """The tensor that :func:`raw` wrote (a new one, on its device)."""
+    if not (isinstance(node, tuple) and len(node) == 5 and node[0] == "T"):
+        raise WireError("a tensor node without a tensor")
+    _, dtype_name, shape, device, data = node
+    dtype = getattr(torch, str(dtype_name), None)
+    if not isinstance(dtype, torch.dtype) or not isinstance(data, bytes):
+        raise WireError(f"unreadable tensor of dtype {dtype_name!r}")
+    stored = torch.int16 if dtype == torch.bfloat16 else dtype
+    flat = torch.frombuffer(bytearray(data), dtype=stored) if data else torch.empty(0, dtype=stored)
+    value = flat.view(dtype) if stored is not dtype else flat
+    return value.reshape(shape).to(device)
+
+
+def rebuild(node, requires_grad: bool, is_param: bool, grad=None) -> torch.Tensor:
+    """A tensor the judge sent (see ``grade_runner``'s pickler), as a leaf: raw bytes are faster to
+    send than torch's own pickling of storages."""
+    value = tensor(node)
+    if is_param:
+        value = torch.nn.Parameter(value, requires_grad=requires_grad)
+    elif requires_grad:
+        value.requires_grad_(True)
+    if grad is not None:
+        value.grad = tensor(grad)
+    return value
+
+
 def dumps(tree) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(tree, buffer)
-    return buffer.getvalue()
+    return pickle.dumps(tree, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _DataOnly(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise WireError(f"the worker sent an object of {module}.{name}; the grader reads data only")
 
 
 def loads(data: bytes):
-    """Read what the worker sent: torch's restricted unpickler, which builds no arbitrary object."""
+    """Read what the worker sent: builtin containers, scalars, strings and bytes, nothing else."""
     try:
-        return torch.load(io.BytesIO(data), weights_only=True)
+        return _DataOnly(io.BytesIO(data)).load()
+    except WireError:
+        raise
     except Exception as e:
-        raise WireError(f"the worker's message could not be read safely: {type(e).__name__}: {e}"[:300]) from None
+        raise WireError(f"the worker's message could not be read: {type(e).__name__}: {e}"[:300]) from None
 
 
 # ------------------------------------------------------------------------------------ the judge
@@ -362,8 +403,8 @@ class Decoder:
         if tag == "t":
             return self._tensor(node)
         if tag == "nd":
-            _, k, t, dtype = node
-            value = t.numpy().astype(np.dtype(dtype), copy=True)
+            _, k, dtype, shape, data = node
+            value = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
             self.memo[k] = value
             return value
         if tag == "ndlist":
@@ -372,7 +413,10 @@ class Decoder:
             self.memo[k] = value
             return value
         if tag == "ns":
-            return np.dtype(node[1]).type(node[2])
+            value = node[2]
+            return np.dtype(node[1]).type(complex(*value) if isinstance(value, list) else value)
+        if tag == "cplx":
+            return complex(node[1], node[2])
         if tag == "dtype":
             value = getattr(torch, node[1], None)
             if not isinstance(value, torch.dtype):
@@ -385,7 +429,7 @@ class Decoder:
         if tag == "gen":
             _, k, state, device = node
             gen = torch.Generator(device=device)
-            gen.set_state(state)
+            gen.set_state(tensor(state))
             self.memo[k] = gen
             return gen
         if tag == "tuple":
@@ -438,8 +482,7 @@ class Decoder:
 
     def _tensor(self, node):
         _, k, value, is_param, how, grad = node
-        if not isinstance(value, torch.Tensor):
-            raise WireError("a tensor node without a tensor")
+        value = tensor(value)
         if how is None:
             out = value
         elif how[0] == "leaf":
@@ -511,15 +554,15 @@ class Decoder:
         if tag == "t" and isinstance(target, torch.Tensor):
             _, k, value, _, _, grad = node
             self.memo[k] = target
-            _copy_tensor(target, value)
+            _copy_tensor(target, tensor(value))
             new_grad = None if grad is None else self.decode(grad)
-            if not _same_tensor(target.grad, new_grad):
+            if target.is_leaf and not _same_tensor(target.grad, new_grad):
                 target.grad = None if new_grad is None else new_grad.detach().to(target.dtype).clone()
             return target
-        if tag == "nd" and isinstance(target, np.ndarray) and target.dtype.str == node[3]:
-            _, k, value, _ = node
+        if tag == "nd" and isinstance(target, np.ndarray) and target.dtype.str == node[2]:
+            _, k, dtype, shape, data = node
             self.memo[k] = target
-            new = value.numpy()
+            new = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
             if new.shape == target.shape and not np.array_equal(new, target, equal_nan=target.dtype.kind in "fc"):
                 np.copyto(target, new)
             return target if new.shape == target.shape else self.decode(node)
@@ -568,7 +611,7 @@ class Decoder:
         if tag == "gen" and isinstance(target, torch.Generator):
             _, k, state, _ = node
             self.memo[k] = target
-            target.set_state(state)
+            target.set_state(tensor(state))
             return target
         if tag in ("obj", "namedtuple") and tag == "obj" and target is not _MISSING \
                 and _class_path(type(target)) == node[2] and not isinstance(target, Opaque):

@@ -227,7 +227,7 @@ class Worker:
         except BaseException as e:  # noqa: BLE001
             self.send("vjp_error", f"{type(e).__name__}: {e}"[:1000])
             return
-        self.send("vjp_result", [None if g is None else g.detach().clone() for g in grads])
+        self.send("vjp_result", [None if g is None else wire.raw(g) for g in grads])
 
     def callback(self, index: int, name: str, args: tuple, kwargs: dict):
         """Run one of the judge's functions (a callback it passed) in the judge."""
