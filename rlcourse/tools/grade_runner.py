@@ -1,8 +1,8 @@
-"""Run the checks of one graded notebook: ``python -m rlcourse.tools.grade_runner DIR``.
+"""Judge one check of a graded notebook: :func:`run_one`.
 
 ``grade`` executes the learner's notebook in a kernel and, at each check cell, saves the learner's
-function (cloudpickle) instead of running the cell. This process, the *judge*, runs no cell of the
-notebook and never loads the learner's code: it imports ``rlcourse.grading`` afresh and calls each
+function (cloudpickle) instead of running the cell. The *judge* (the ``grade`` process) runs no
+cell of the notebook and never loads the learner's code: it calls ``rlcourse.grading``'s own
 ``check_*`` on a stand-in, a :class:`~rlcourse.tools.grade_wire.RemoteFunction`. Each call of the
 stand-in is carried out by a *worker* process (:mod:`rlcourse.tools.grade_worker`) that holds the
 learner's function, and what it returns comes back as data (:mod:`rlcourse.tools.grade_wire`).
@@ -13,7 +13,9 @@ The verdict ``reference`` (the answer is, copies or calls the reference implemen
 the worker's tripwires and fingerprints (see :mod:`~rlcourse.tools.grade_worker`) and, before the
 notebook runs, from :mod:`rlcourse.tools.copies` on the notebook's text.
 
-``DIR/captures.json`` lists ``{"index", "check", "file"}``; results go to ``DIR/results.json``.
+The fork server the workers come from imports this module's :data:`_PRELOAD` once; like any
+``multiprocessing`` fork server it also re-imports the judge's ``__main__`` module, which must
+therefore do nothing on import (``python -m rlcourse``, pytest and a guarded script all qualify).
 """
 from __future__ import annotations
 
@@ -21,11 +23,8 @@ import builtins
 import contextlib
 import importlib
 import io
-import json
 import multiprocessing
-import sys
 import types
-from pathlib import Path
 
 import cloudpickle
 import torch
@@ -285,17 +284,3 @@ def _judge(check, session: Session) -> dict:
     except Exception as e:  # the learner's code raised: report it as the learner would see it
         return {"outcome": "error", "message": f"{type(e).__name__}: {e}{getattr(e, 'learner_line', '')}"}
     return {"outcome": "passed", "message": out.getvalue().strip()}
-
-
-def main(argv: list[str]) -> int:
-    folder = Path(argv[0])
-    captures = json.loads((folder / "captures.json").read_text())
-    results = {}
-    for capture in captures:
-        results[capture["index"]] = run_one(capture)
-        (folder / "results.json").write_text(json.dumps(results))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
