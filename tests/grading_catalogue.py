@@ -278,3 +278,8 @@ if __name__ == "__main__":
     for (family, check, wrong), hit in zip(CATALOGUE, hits):
         print(f"{'caught' if hit else 'MISSED'}  {family:<36} {check:<32} {wrong.__name__}")
     print(f"{sum(hits)} / {len(hits)} caught by {grading.__file__}")
+
+
+FAMILIES = {"extreme magnitudes", "integer inputs", "float32 drift on long episodes", "one parameter value everywhere",
+            "structural edge cases", "padding holding non-zero values", "gradients that do not flow",
+            "inputs modified in place", "ratio regions beyond those sampled"}
