@@ -20,7 +20,8 @@ John Schulman's three estimators ("Approximating KL divergence", 2020) are
 Every function takes log-probabilities, never probabilities: ``logp = log pi_theta(x)`` and
 ``logq = log pi_ref(x)`` for the sampled tokens (any shape, the same for both), or full
 log-distributions over the last dimension for :func:`exact_kl` and :func:`entropy`.
-The estimators return one value per token, in the inputs' shape; :func:`exact_kl` and
+The estimators return one value per token, in the inputs' shape, clamped to ``[-bound, bound]``
+when a ``bound`` is given (verl's and OpenRLHF's convention, :data:`ESTIMATE_BOUND`); :func:`exact_kl` and
 :func:`entropy` drop the vocabulary dimension. Every function takes an optional ``mask`` (the
 shape of its result): masked entries come back as exactly 0 whatever the inputs held there, and
 never leak into the gradient. Averaging or summing over a completion mask is the
@@ -31,13 +32,21 @@ from __future__ import annotations
 import torch
 
 __all__ = ["kl_k1", "kl_k2", "kl_k3", "exact_kl", "entropy", "KL_ESTIMATORS", "LOG_RATIO_BOUND",
-           "as_mask"]
+           "ESTIMATE_BOUND", "as_mask"]
 
 # A log-ratio between two policies is clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] wherever it is
-# exponentiated (verl clamps at 20 too): exp(20) = 4.9e8 is already far beyond any ratio an
-# update should see, while exp(89) overflows float32 to inf, and inf * 0 = nan would poison a
-# whole batch, gradient included. Beyond the bound the exponential is flat, so its gradient is 0.
+# exponentiated (verl clamps k3's log-ratio at 20 too): exp(20) = 4.9e8 is already far beyond any
+# ratio an update should see, while exp(89) overflows float32 to inf, and inf * 0 = nan would
+# poison a whole batch, gradient included. Beyond the bound the exponential is flat, so its
+# gradient is 0. TRL 1.16 clamps no log-ratio: inside the bound the two agree exactly.
 LOG_RATIO_BOUND = 20.0
+
+# verl (core_algos.kl_penalty, "low_var_kl") and OpenRLHF (compute_approx_kl, every estimator) also
+# clamp the *estimate* itself to [-10, 10]. Pass ``bound=ESTIMATE_BOUND`` to an estimator to follow
+# them; the default (no bound) is TRL's. A clamped token contributes no gradient, so a token whose
+# k3 exceeds 10 nats stops being pulled back toward the reference: the bound trades the penalty's
+# strength on outliers for stability.
+ESTIMATE_BOUND = 10.0
 
 
 def as_mask(mask, like: torch.Tensor, name: str = "mask") -> torch.Tensor | None:
@@ -79,11 +88,17 @@ def _pair(logp, logq, mask=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return logp, logq, m
 
 
-def _masked(value: torch.Tensor, m) -> torch.Tensor:
+def _masked(value: torch.Tensor, m, bound: float | None = None) -> torch.Tensor:
+    """``value`` with masked entries 0, clamped to ``[-bound, bound]`` when a bound is given."""
+    if bound is not None:
+        if not bound > 0:
+            raise ValueError(f"bound must be a positive number of nats (verl and OpenRLHF use "
+                             f"ESTIMATE_BOUND = 10) or None, got {bound!r}")
+        value = torch.clamp(value, -bound, bound)
     return value if m is None else torch.where(m, value, 0.0)
 
 
-def kl_k1(logp, logq, mask=None) -> torch.Tensor:
+def kl_k1(logp, logq, mask=None, bound: float | None = None) -> torch.Tensor:
     """``k1 = -log r = log pi_theta(x) - log pi_ref(x)``, with ``x ~ pi_theta``.
 
     Unbiased: ``E_{x~pi_theta}[k1] = KL(pi_theta || pi_ref)`` by the definition of KL.
@@ -92,10 +107,10 @@ def kl_k1(logp, logq, mask=None) -> torch.Tensor:
     log-ratio that PPO-RLHF subtracts from the reward at each token.
     """
     logp, logq, m = _pair(logp, logq, mask)
-    return _masked(logp - logq, m)
+    return _masked(logp - logq, m, bound)
 
 
-def kl_k2(logp, logq, mask=None) -> torch.Tensor:
+def kl_k2(logp, logq, mask=None, bound: float | None = None) -> torch.Tensor:
     """``k2 = 1/2 (log r)^2``, with ``r = pi_ref(x) / pi_theta(x)`` and ``x ~ pi_theta``.
 
     Biased: ``E[k2] = 1/2 E[(log r)^2]``, which agrees with the KL only to second order in
@@ -103,10 +118,10 @@ def kl_k2(logp, logq, mask=None) -> torch.Tensor:
     drift apart. Low variance, and never negative.
     """
     logp, logq, m = _pair(logp, logq, mask)
-    return _masked(0.5 * (logq - logp) ** 2, m)
+    return _masked(0.5 * (logq - logp) ** 2, m, bound)
 
 
-def kl_k3(logp, logq, mask=None) -> torch.Tensor:
+def kl_k3(logp, logq, mask=None, bound: float | None = None) -> torch.Tensor:
     """``k3 = (r - 1) - log r``, with ``r = pi_ref(x) / pi_theta(x)`` and ``x ~ pi_theta``.
 
     Unbiased: ``E_{x~pi_theta}[r] = sum_x pi_ref(x) = 1``, so the added ``r - 1`` is a control
@@ -123,7 +138,7 @@ def kl_k3(logp, logq, mask=None) -> torch.Tensor:
     """
     logp, logq, m = _pair(logp, logq, mask)
     log_r = logq - logp
-    return _masked(torch.expm1(torch.clamp(log_r, max=LOG_RATIO_BOUND)) - log_r, m)
+    return _masked(torch.expm1(torch.clamp(log_r, max=LOG_RATIO_BOUND)) - log_r, m, bound)
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}

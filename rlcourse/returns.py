@@ -326,6 +326,7 @@ def n_step_returns(rewards, values, gamma: float, n: int, *, next_values=None, l
     """
     if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    n = int(n)   # a NumPy integer would turn `k == n - 1` into a numpy bool, which torch's `|` refuses
     r, v, m, ends, bootstrap, restore = _critic_inputs(
         rewards, values, gamma, next_values=next_values, last_value=last_value, terminated=terminated,
         truncated=truncated, dones=dones, mask=mask)

@@ -23,12 +23,19 @@ def kwargs_by_hand(config, task):
         out[f.name] = value
     out["max_completion_length"] = config.max_completion_length or task.max_new_tokens
     out["lr_scheduler_type"] = "constant"
+    out["max_steps"] = config.max_steps * config.num_iterations
+    return out
+
+
+def kwargs_max_steps_unchanged(config, task):
+    out = grpo_config_kwargs(config, task)
+    out["max_steps"] = config.max_steps      # TRL counts optimiser steps: half the batches at num_iterations=2
     return out
 
 
 def kwargs_everything(config, task):
     return {**dataclasses.asdict(config), "max_completion_length": config.max_completion_length or task.max_new_tokens,
-            "lr_scheduler_type": "constant"}
+            "lr_scheduler_type": "constant", "max_steps": config.max_steps * config.num_iterations}
 
 
 def kwargs_unresolved_length(config, task):
@@ -64,8 +71,13 @@ def test_grpo_kwargs_check_passes_references(capsys):
     assert "check_grpo_kwargs: all 9 cases passed" in capsys.readouterr().out
 
 
+def test_grpo_kwargs_check_names_the_step_count_mapping():
+    with pytest.raises(CheckFailed, match="optimiser steps"):
+        check_grpo_kwargs(kwargs_max_steps_unchanged)
+
+
 @pytest.mark.parametrize("wrong", [kwargs_everything, kwargs_unresolved_length, kwargs_default_schedule,
-                                   kwargs_silent, kwargs_drops_beta, kwargs_mutates])
+                                   kwargs_silent, kwargs_drops_beta, kwargs_mutates, kwargs_max_steps_unchanged])
 def test_grpo_kwargs_check_catches(wrong):
     with pytest.raises(CheckFailed):
         check_grpo_kwargs(wrong)

@@ -264,3 +264,34 @@ def test_frozen_copy_of_a_trl_prepared_model_runs_its_own_weights(setup):
         assert not torch.allclose(ours, base)
         assert torch.equal(ours, type(reference).forward(reference, input_ids=ids).logits)
     assert not reference.training and not any(p.requires_grad for p in reference.parameters())
+
+
+def test_bridge_max_steps_samples_as_many_batches_in_trl_as_ours(tmp_path):
+    """TRL counts optimiser steps: with num_iterations=2 our max_steps=2 (2 batches, 4 optimiser
+    steps) must make TRL draw 2 generation batches too. Counted by TRL's own calls of the reward."""
+    from rlcourse.lm import AdditionTask
+    from rlcourse.lm.policy_gradient import PolicyGradientConfig
+    from rlcourse.lm.trl_bridge import grpo_config_kwargs
+
+    path = tmp_path / "tiny"
+    model, tokenizer = load_checkpoint("addition-partial", device="cpu")
+    save_checkpoint(model, tokenizer, path)
+    calls = []
+
+    def reward(completions, **kwargs):
+        calls.append(len(completions))
+        return [0.0] * len(completions)
+
+    ours = PolicyGradientConfig(per_device_train_batch_size=8, num_generations=4, num_iterations=2, max_steps=2,
+                                max_completion_length=2)
+    kwargs = grpo_config_kwargs(ours, AdditionTask())
+    assert kwargs["max_steps"] == 4
+    data = Dataset.from_dict({"prompt": [p for p in PROMPTS for _ in range(4)]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl.GRPOTrainer(model=str(path), reward_funcs=reward, train_dataset=data, processing_class=tokenizer,
+                                  args=trl.GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False,
+                                                      report_to=[], disable_tqdm=True, save_strategy="no", **kwargs))
+        trainer.train()
+    assert trainer.state.global_step == ours.max_steps * ours.num_iterations
+    assert calls == [ours.per_device_train_batch_size] * ours.max_steps

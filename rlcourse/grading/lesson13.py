@@ -2,8 +2,9 @@
 
 * :func:`check_grpo_kwargs` - our ``PolicyGradientConfig`` as ``trl.GRPOConfig`` keyword arguments,
   name by name (mistakes caught: our own fields passed to TRL, which it rejects; a ``None``
-  completion length left unresolved; TRL's decaying learning rate left in place; a setting TRL
-  cannot express mapped silently instead of refused);
+  completion length left unresolved; TRL's decaying learning rate left in place; ``max_steps``
+  passed unchanged although TRL counts optimiser steps; a setting TRL cannot express mapped
+  silently instead of refused);
 * :func:`check_reward_func` - a task's verifier as a TRL reward function (a list of floats, one per
   completion, extra dataset columns accepted, named after the task for TRL's logs);
 * :func:`check_really_distributed` - an experiment: reports whose weight checksums come from real
@@ -67,8 +68,11 @@ def check_grpo_kwargs(fn) -> None:
         wrong = {k: (expected[k], got[k]) for k in expected if got[k] != expected[k]}
         if wrong:
             key = next(iter(wrong))
-            fail(name, f"{case}, setting {key!r}", wrong[key][0], wrong[key][1],
-                 "pass each shared setting's value unchanged under its own name")
+            hint = "pass each shared setting's value unchanged under its own name"
+            if key == "max_steps":
+                hint = ("TRL's max_steps counts optimiser steps, ours sampling steps (each followed by "
+                        "num_iterations optimiser steps): pass max_steps * num_iterations")
+            fail(name, f"{case}, setting {key!r}", wrong[key][0], wrong[key][1], hint)
     refused = [("advantage_estimator='rloo'", PolicyGradientConfig(advantage_estimator="rloo")),
                ("dynamic_sampling=True", PolicyGradientConfig(dynamic_sampling=True)),
                ("kl_in_reward=True", PolicyGradientConfig(kl_in_reward=True)),

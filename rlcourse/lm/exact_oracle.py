@@ -135,12 +135,15 @@ class EnumerablePolicy(torch.nn.Module):
     def score_matrix(self) -> torch.Tensor:
         """``grad_theta log pi(y | x)`` of every (prompt, completion): ``(P, C, D)``, ``D = logits.numel()``.
 
-        Cached until the logits change (an optimiser step or an in-place edit bumps their version).
+        Cached for the logits' current *values*: any change (an optimiser step, ``logits.data += ...``,
+        which no version counter sees, or a copy of the oracle) recomputes it. The logits are small,
+        so comparing them costs far less than the Jacobian.
         """
-        key = (self.logits._version, self.logits.data_ptr())
-        if getattr(self, "_score_cache", (None,))[0] != key:
-            jac = torch.autograd.functional.jacobian(lambda th: self.logprobs(th), self.logits.detach())
-            self._score_cache = (key, jac.reshape(self.n_prompts, self.n_completions, -1))
+        now = self.logits.detach()
+        cached = getattr(self, "_score_cache", None)
+        if cached is None or cached[0].shape != now.shape or not torch.equal(cached[0], now):
+            jac = torch.autograd.functional.jacobian(lambda th: self.logprobs(th), now)
+            self._score_cache = (now.clone(), jac.reshape(self.n_prompts, self.n_completions, -1))
         return self._score_cache[1]
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -120,6 +120,13 @@ class PolicyGradientConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta!r}")
+        if self.loss_type == "rloo" and self.beta > 0 and not self.kl_in_reward:
+            # rloo_loss has no KL term: beta would be ignored while a "kl" metric is still logged.
+            raise ValueError(f"loss_type='rloo' with beta={self.beta!r} needs kl_in_reward=True: the RLOO loss has "
+                             f"no KL term, and TRL's RLOOTrainer subtracts beta * KL from the reward (or set beta=0)")
+        if not (self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0):
+            raise ValueError(f"sapo_temperature_pos and sapo_temperature_neg must be > 0, got "
+                             f"{self.sapo_temperature_pos!r}, {self.sapo_temperature_neg!r}")
         if (not isinstance(self.max_num_gen_batches, int) or isinstance(self.max_num_gen_batches, bool)
                 or self.max_num_gen_batches < 1):
             raise ValueError(f"max_num_gen_batches must be an integer >= 1 (a cap on generation batches per "
@@ -192,8 +199,9 @@ class PolicyGradientTrainer:
         roll = sample(self.model, self.tokenizer, prompts, self.max_len, temperature=c.temperature,
                       generator=self.generator)
         rewards = torch.as_tensor(self.task.reward(prompts, roll.completions), dtype=torch.float32).to(self.device)
-        if rewards.shape != (len(prompts),) or bool(torch.isnan(rewards).any()):
-            raise ValueError(f"task.reward must return one finite reward per completion, got {rewards}")
+        if rewards.shape != (len(prompts),) or not bool(torch.isfinite(rewards).all()):
+            raise ValueError(f"task.reward must return one finite reward per completion (no NaN, no +-inf), "
+                             f"got {rewards}")
         return roll, rewards
 
     def _sample_groups(self):

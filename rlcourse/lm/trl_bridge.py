@@ -64,7 +64,11 @@ def grpo_config_kwargs(config, task=None) -> dict:
     Every field that TRL shares is passed under its own (identical) name; ``max_completion_length``
     ``None`` (ours: the task's ``max_new_tokens``) is resolved with ``task``. Our trainer keeps the
     learning rate constant, so ``lr_scheduler_type="constant"`` is added (TRL's default decays it
-    linearly). Output, device and logging options (``output_dir``, ``use_cpu``...) are the caller's.
+    linearly). Our ``max_steps`` counts *sampling* steps, each followed by ``num_iterations``
+    optimiser steps; TRL's counts optimiser steps (and samples once every ``steps_per_generation *
+    num_iterations`` of them), so TRL gets ``max_steps * num_iterations``: with TRL's default
+    ``steps_per_generation`` (``gradient_accumulation_steps``, 1) both then sample ``max_steps``
+    batches and take ``max_steps * num_iterations`` optimiser steps. Output, device and logging options (``output_dir``, ``use_cpu``...) are the caller's.
     A field TRL cannot express (see :data:`OURS_ONLY`) at a non-GRPO value raises ``ValueError``:
     GRPOTrainer would silently run a different algorithm.
     """
@@ -84,6 +88,9 @@ def grpo_config_kwargs(config, task=None) -> dict:
             raise ValueError("config.max_completion_length is None: pass task= to use task.max_new_tokens")
         kwargs["max_completion_length"] = task.max_new_tokens
     kwargs["lr_scheduler_type"] = "constant"
+    # Our max_steps counts sampling steps, each followed by num_iterations optimiser steps; TRL's
+    # counts optimiser steps and samples once every steps_per_generation * num_iterations of them.
+    kwargs["max_steps"] = config.max_steps * config.num_iterations
     return kwargs
 
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from rlcourse.kl import kl_k3
-from rlcourse.losses.policy_gradient import (importance_ratio, ppo_clip_objective,
+from rlcourse.kl import LOG_RATIO_BOUND, as_mask, kl_k3
+from rlcourse.losses.policy_gradient import (check_logprobs_mask, importance_ratio, ppo_clip_objective,
                                              trajectory_importance_weight)
 
 __all__ = [
@@ -50,8 +50,9 @@ def _rewards_1d(rewards) -> torch.Tensor:
                          f"got shape {tuple(rewards.shape)}")
     if not rewards.is_floating_point():
         rewards = rewards.to(torch.get_default_dtype())
-    if bool(torch.isnan(rewards).any()):
-        raise ValueError("rewards contain NaN: score every completion (give unscorable ones a reward) first")
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("rewards must be finite, got NaN or inf: score every completion with a real number "
+                         "first (an inf, e.g. log 0, would make every advantage of its group NaN)")
     return rewards.detach()
 
 
@@ -142,13 +143,25 @@ def moving_average_baseline(baseline: float | None, rewards, decay: float = 0.9)
     return mean if baseline is None else decay * float(baseline) + (1.0 - decay) * mean
 
 
-def _check_tokens(logprobs, old_logprobs, mask):
-    if not isinstance(logprobs, torch.Tensor) or logprobs.ndim != 2:
-        raise ValueError(f"logprobs must be a (B, T) tensor, got {getattr(logprobs, 'shape', type(logprobs))}")
-    for name, t in (("old_logprobs", old_logprobs), ("mask", mask)):
+def _token_inputs(logprobs, old_logprobs, mask, ref_logprobs=None):
+    """The checked bool mask and the token tensors with padded entries replaced by 0.
+
+    One check for every loss of the package (:func:`~rlcourse.losses.policy_gradient.check_logprobs_mask`:
+    a ``(B, T)`` float tensor, a mask of its shape holding only 0/1). Padding may hold anything
+    (NaN, inf, garbage); it is replaced *before* any arithmetic, so it reaches neither a loss nor,
+    through the backward pass, a gradient (0 * NaN is NaN in both directions).
+    """
+    m = check_logprobs_mask(logprobs, mask)
+    cleaned = []
+    for name, t in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if t is None:
+            cleaned.append(None)
+            continue
         if not isinstance(t, torch.Tensor) or t.shape != logprobs.shape:
             raise ValueError(f"{name} must be a tensor of logprobs' shape {tuple(logprobs.shape)}, "
                              f"got {getattr(t, 'shape', type(t).__name__)}")
+        cleaned.append(torch.where(m, t, torch.zeros_like(t)))
+    return m, torch.where(m, logprobs, torch.zeros_like(logprobs)), cleaned[0], cleaned[1]
 
 
 def importance_weights(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
@@ -161,16 +174,21 @@ def importance_weights(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask:
       ratio per completion, so one clip decision per completion, and no single token's noisy ratio
       decides alone.
 
-    Masked tokens do not count in the sequence mean; an empty row gets ``s = 1``.
+    Masked tokens do not count in the sequence mean (padding may hold anything); an empty row gets
+    ``s = 1``. Both log-ratios are clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` (20) before the
+    exponential, so a ratio cannot overflow float32 (``exp(88.7) = inf``, and ``inf * 0`` would make
+    a group of equal rewards' loss NaN). TRL 1.16 clamps neither: inside the bound (a ratio between
+    2e-9 and 4.9e8, far outside any clip range) the two agree exactly; beyond it ours is flat
+    (gradient 0) where TRL's grows without bound or overflows.
     """
-    _check_tokens(logprobs, old_logprobs, mask)
+    if level not in ("token", "sequence"):
+        raise ValueError(f"level (importance_sampling_level) must be 'token' or 'sequence', got {level!r}")
+    m, logprobs, old_logprobs, _ = _token_inputs(logprobs, old_logprobs, mask)
     if level == "token":
         return importance_ratio(logprobs, old_logprobs)
-    if level != "sequence":
-        raise ValueError(f"level (importance_sampling_level) must be 'token' or 'sequence', got {level!r}")
-    m = mask.to(logprobs.dtype)
-    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
-    return torch.exp(log_ratio.sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0))
+    log_ratio = logprobs - old_logprobs.detach()
+    mean_log_ratio = log_ratio.sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)
+    return torch.exp(torch.clamp(mean_log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 def per_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -209,7 +227,14 @@ def per_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
         raise ValueError(f"epsilon and epsilon_high must be >= 0, got {epsilon!r}, {epsilon_high!r}")
     if beta < 0:
         raise ValueError(f"beta must be >= 0, got {beta!r}")
+    if loss_type == "sapo" and not (sapo_temperature_pos > 0 and sapo_temperature_neg > 0):
+        raise ValueError(f"sapo_temperature_pos and sapo_temperature_neg must be > 0 (the gate is "
+                         f"sigmoid(tau (w - 1)) * 4 / tau), got {sapo_temperature_pos!r}, {sapo_temperature_neg!r}")
+    if beta != 0.0 and ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs of logprobs' shape")
     high = epsilon if epsilon_high is None else epsilon_high
+    mask, logprobs, old_logprobs, ref_logprobs = _token_inputs(logprobs, old_logprobs, mask,
+                                                               ref_logprobs if beta != 0.0 else None)
     ratio = importance_weights(logprobs, old_logprobs, mask, importance_sampling_level)
     advantages = torch.as_tensor(advantages, dtype=logprobs.dtype, device=logprobs.device).detach()
     if advantages.ndim != 1 or advantages.shape[0] != logprobs.shape[0]:
@@ -224,12 +249,10 @@ def per_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     else:
         loss = -ppo_clip_objective(ratio, adv, epsilon, high)
     if beta != 0.0:
-        if ref_logprobs is None or ref_logprobs.shape != logprobs.shape:
-            raise ValueError("beta > 0 needs ref_logprobs of logprobs' shape")
-        kl = kl_k3(logprobs, ref_logprobs.detach())
+        kl = kl_k3(logprobs, ref_logprobs.detach(), mask)
         loss = loss + beta * (kl * ratio if use_bias_correction_kl else kl)
     if loss.shape[1] == logprobs.shape[1]:
-        loss = torch.where(mask.bool(), loss, torch.zeros_like(loss))
+        loss = torch.where(mask, loss, torch.zeros_like(loss))
     return loss
 
 
@@ -254,12 +277,13 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str =
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if mask.ndim != 2 or per_token.ndim != 2 or per_token.shape[0] != mask.shape[0] \
-            or per_token.shape[1] not in (1, mask.shape[1]):
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or per_token.ndim != 2 \
+            or per_token.shape[0] != mask.shape[0] or per_token.shape[1] not in (1, mask.shape[1]):
         raise ValueError(f"per_token must be (B, T) or (B, 1) with mask (B, T); got {tuple(per_token.shape)} "
-                         f"and {tuple(mask.shape)}")
+                         f"and {tuple(getattr(mask, 'shape', ()))}")
+    mask = as_mask(mask, torch.empty(mask.shape, device=per_token.device))
     m = mask.to(per_token.dtype)
-    masked = torch.where(mask.bool(), per_token.expand_as(m), torch.zeros_like(m))
+    masked = torch.where(mask, per_token.expand_as(m), torch.zeros_like(m))
     if loss_type in ("grpo", "sapo"):
         return (masked.sum(dim=1) / m.sum(dim=1).clamp(min=1.0)).mean()
     if loss_type == "dr_grpo":
@@ -279,7 +303,7 @@ def rloo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     iteration ``rho = 1`` and this is REINFORCE with the leave-one-out baseline; its gradient is
     ``-1/B sum_i A_i grad log pi(y_i|x)``.
     """
-    _check_tokens(logprobs, old_logprobs, mask)
+    mask, logprobs, old_logprobs, _ = _token_inputs(logprobs, old_logprobs, mask)
     high = epsilon if epsilon_high is None else epsilon_high
     rho = trajectory_importance_weight(logprobs, old_logprobs.detach(), mask)
     advantages = torch.as_tensor(advantages, dtype=logprobs.dtype, device=logprobs.device).detach()

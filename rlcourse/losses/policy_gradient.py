@@ -48,8 +48,11 @@ __all__ = [
 ]
 
 
-def _check_logprobs_mask(logprobs: torch.Tensor, mask) -> torch.Tensor:
-    """Validate ``(N, T)`` log-probs; return the mask as bool (all True when None)."""
+def check_logprobs_mask(logprobs: torch.Tensor, mask) -> torch.Tensor:
+    """Validate ``(N, T)`` float log-probs and their 0/1 mask; return the mask as bool (all True when None).
+
+    The one input check of every token-level loss in :mod:`rlcourse.losses`.
+    """
     if not isinstance(logprobs, torch.Tensor) or logprobs.ndim != 2 or not logprobs.is_floating_point():
         raise ValueError(f"logprobs must be a torch tensor of shape (N, T) holding floats, got "
                          f"{getattr(logprobs, 'shape', type(logprobs).__name__)}")
@@ -90,7 +93,7 @@ def reinforce_loss(logprobs: torch.Tensor, psi, mask: torch.Tensor | None = None
             (``R(tau)``, an outcome reward), ``(N, T)`` for per-step reward-to-go or advantages.
         mask: ``(N, T)`` of 0/1 or bool; ``None`` means every step is real.
     """
-    m = _check_logprobs_mask(logprobs, mask)
+    m = check_logprobs_mask(logprobs, mask)
     psi = torch.as_tensor(psi, dtype=logprobs.dtype, device=logprobs.device).detach()
     N, T = logprobs.shape
     if psi.ndim == 1 or psi.ndim > 2 or (psi.ndim == 2 and (psi.shape[0] not in (1, N) or psi.shape[1] not in (1, T))):
@@ -170,7 +173,7 @@ def trajectory_importance_weight(logprobs: torch.Tensor, old_logprobs: torch.Ten
     product over T steps is why its variance explodes with the horizon. It is a weight, not a
     loss: it is not clamped, and a sum of log-ratios past ~709 (float64) honestly overflows to inf.
     """
-    m = _check_logprobs_mask(logprobs, mask)
+    m = check_logprobs_mask(logprobs, mask)
     if not isinstance(old_logprobs, torch.Tensor) or old_logprobs.shape != logprobs.shape:
         raise ValueError(f"old_logprobs must be a tensor of the shape of logprobs {tuple(logprobs.shape)}, "
                          f"got {getattr(old_logprobs, 'shape', type(old_logprobs).__name__)}")

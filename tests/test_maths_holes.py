@@ -1,0 +1,142 @@
+"""The holes a review of the package found, each with the case that showed it.
+
+Every test here failed before its fix: a +-inf reward that turned a trainer's weights into NaN, a
+beta ignored by the RLOO loss, NaN in padding reaching gradients, an exact-oracle cache that missed
+an update through ``.data``, a NumPy integer ``n``, masks holding 2, a SAPO temperature of 0, a
+GSPO ratio that overflows, and the verl/OpenRLHF bound on KL estimates.
+"""
+import numpy as np
+import pytest
+
+import rlcourse  # noqa: F401  (before torch)
+import torch
+
+from rlcourse.kl import ESTIMATE_BOUND, kl_k1, kl_k3
+from rlcourse.losses import aggregate_loss, group_advantages, importance_weights, per_token_loss, rloo_loss
+from rlcourse.returns import n_step_returns
+
+nan, inf = float("nan"), float("inf")
+
+
+def _batch(seed=0, B=4, T=5, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    logp = (-torch.rand(B, T, generator=gen, dtype=dtype) * 3).requires_grad_()
+    old = -torch.rand(B, T, generator=gen, dtype=dtype) * 3
+    ref = -torch.rand(B, T, generator=gen, dtype=dtype) * 3
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 3:] = 0
+    mask[2, 1:] = 0
+    return logp, old, ref, mask, torch.randn(B, generator=gen, dtype=dtype)
+
+
+@pytest.mark.parametrize("bad", [inf, -inf, nan])
+def test_non_finite_rewards_are_refused_by_name(bad):
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        group_advantages([1.0, bad, 0.0, 1.0], 2)
+
+
+@pytest.mark.parametrize("level, beta", [("token", 0.0), ("token", 0.1), ("sequence", 0.0), ("sequence", 0.1)])
+@pytest.mark.parametrize("garbage", [nan, inf, -inf, 1e30])
+def test_padding_holding_anything_changes_neither_loss_nor_gradient(level, beta, garbage):
+    """Oracle: the same batch with 0 in the padded entries."""
+    results = []
+    for fill in (0.0, garbage):
+        logp, old, ref, mask, adv = _batch()
+        pad = mask == 0
+        logp_in = torch.where(pad, torch.full_like(logp, fill), logp)
+        loss = aggregate_loss(per_token_loss(logp_in, old.masked_fill(pad, fill), adv, mask, "grpo",
+                                             importance_sampling_level=level, beta=beta,
+                                             ref_logprobs=ref.masked_fill(pad, fill)), mask, "grpo")
+        loss.backward()
+        results.append((loss.detach(), logp.grad.clone()))
+    assert torch.isfinite(results[1][0]) and torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_rloo_loss_ignores_padding_too():
+    logp, old, _, mask, adv = _batch()
+    clean = rloo_loss(logp, old, adv, mask)
+    dirty = rloo_loss(logp.masked_fill(mask == 0, nan), old.masked_fill(mask == 0, inf), adv, mask)
+    assert torch.equal(clean, dirty)
+
+
+@pytest.mark.parametrize("bad_mask", [2, 0.5, -1])
+def test_a_mask_holding_other_than_0_and_1_is_refused(bad_mask):
+    logp, old, _, mask, adv = _batch()
+    mask = mask.clone().to(torch.float64)
+    mask[1, 1] = bad_mask
+    for call in (lambda: per_token_loss(logp, old, adv, mask), lambda: importance_weights(logp, old, mask),
+                 lambda: aggregate_loss(torch.zeros(4, 5), mask), lambda: rloo_loss(logp, old, adv, mask)):
+        with pytest.raises(ValueError, match="mask must hold only 0/1"):
+            call()
+
+
+@pytest.mark.parametrize("pos, neg", [(0.0, 1.0), (1.0, -0.5), (nan, 1.0)])
+def test_sapo_temperatures_must_be_positive(pos, neg):
+    from rlcourse.lm.policy_gradient import PolicyGradientConfig
+
+    logp, old, _, mask, adv = _batch()
+    with pytest.raises(ValueError, match="sapo_temperature"):
+        per_token_loss(logp, old, adv, mask, "sapo", sapo_temperature_pos=pos, sapo_temperature_neg=neg)
+    with pytest.raises(ValueError, match="sapo_temperature"):
+        PolicyGradientConfig(loss_type="sapo", sapo_temperature_pos=pos, sapo_temperature_neg=neg)
+
+
+def test_gspo_sequence_ratio_is_clamped_like_the_token_ratio():
+    """float32, a mean log-ratio of 100 in a group of equal rewards (A = 0): TRL's unclamped ratio
+    is inf and inf * 0 = NaN; ours is exp(20) and the loss is 0. Inside the bound both are exp(mean)."""
+    logp = torch.full((2, 3), 100.0, requires_grad=True)
+    old, mask, adv = torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2)
+    ratio = importance_weights(logp, old, mask, "sequence")
+    assert torch.allclose(ratio, torch.full((2, 1), float(np.exp(20.0))))
+    loss = aggregate_loss(per_token_loss(logp, old, adv, mask, "grpo", importance_sampling_level="sequence"),
+                          mask, "grpo")
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and torch.isfinite(logp.grad).all()
+    inside = torch.tensor([[1.0, 2.0, 3.0]])
+    assert torch.allclose(importance_weights(inside, torch.zeros(1, 3), torch.ones(1, 3), "sequence"),
+                          torch.tensor([[np.exp(2.0)]], dtype=torch.float32))
+
+
+def test_rloo_loss_with_beta_in_the_loss_is_refused_not_ignored():
+    from rlcourse.lm.policy_gradient import PolicyGradientConfig
+
+    with pytest.raises(ValueError, match="kl_in_reward"):
+        PolicyGradientConfig(advantage_estimator="rloo", loss_type="rloo", beta=0.5)
+    PolicyGradientConfig(advantage_estimator="rloo", loss_type="rloo", beta=0.5, kl_in_reward=True)
+    PolicyGradientConfig(advantage_estimator="rloo", loss_type="rloo", beta=0.0)
+
+
+def test_n_step_returns_takes_a_numpy_integer():
+    rewards, values = torch.rand(3, 6, dtype=torch.float64), torch.rand(3, 6, dtype=torch.float64)
+    assert torch.equal(n_step_returns(rewards, values, 0.9, np.int64(2)), n_step_returns(rewards, values, 0.9, 2))
+    with pytest.raises(ValueError, match="n must be an integer"):
+        n_step_returns(rewards, values, 0.9, 2.0)
+
+
+def test_kl_estimates_can_follow_verl_and_openrlhf_bound():
+    logp = torch.tensor([0.0, -1.0, -30.0], requires_grad=True)
+    logq = torch.tensor([0.0, -0.5, 0.0])
+    k3 = kl_k3(logp, logq, bound=ESTIMATE_BOUND)
+    # by hand: r = exp(logq - logp); k3 = r - 1 - log r, then clamped at 10
+    r = np.exp([0.0, 0.5, 20.0])
+    expected = np.minimum(r - 1 - np.log(r), 10.0)
+    assert np.allclose(k3.detach().numpy(), expected)
+    k3.sum().backward()
+    assert logp.grad[2] == 0.0                     # a clamped token is no longer pulled back
+    assert torch.equal(kl_k3(logp, logq), kl_k3(logp, logq, bound=None))
+    assert float(kl_k1(torch.tensor([0.0]), torch.tensor([-50.0]), bound=10.0)) == 10.0
+    with pytest.raises(ValueError, match="bound"):
+        kl_k3(logp, logq, bound=0.0)
+
+
+def test_exact_oracle_notices_an_update_through_data():
+    from rlcourse.lm.exact_oracle import EnumerablePolicy
+
+    torch.manual_seed(0)
+    policy = EnumerablePolicy(vocab_size=3, max_len=2, n_prompts=2)
+    before = policy.score_matrix().clone()
+    policy.logits.data += 0.5 * torch.randn_like(policy.logits)
+    fresh = torch.autograd.functional.jacobian(lambda th: policy.logprobs(th), policy.logits.detach())
+    assert not torch.allclose(before, policy.score_matrix())
+    assert torch.allclose(policy.score_matrix(), fresh.reshape(before.shape))
