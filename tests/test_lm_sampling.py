@@ -83,8 +83,9 @@ def test_nothing_after_eos_is_counted(model, tok, engine):
         assert roll.completion_mask[i, stop:].eq(0).all()            # nothing after it
         assert (roll.completion_ids[i, stop:] == tok.pad_token_id).all()
         assert (roll.logprobs[i, stop:] == 0).all()
-        assert roll.completions[i] == tok.decode(roll.completion_ids[i, :stop].tolist(),
-                                                 skip_special_tokens=True)
+        text_end = stop - 1 if ended[i] else stop                    # the closing <eos> is not text;
+        assert roll.completions[i] == tok.decode(roll.completion_ids[i, :text_end].tolist(),  # any other
+                                                 skip_special_tokens=False)                   # token is
     assert torch.equal(roll.finished, ended)
 
 

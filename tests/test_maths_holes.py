@@ -140,3 +140,50 @@ def test_exact_oracle_notices_an_update_through_data():
     fresh = torch.autograd.functional.jacobian(lambda th: policy.logprobs(th), policy.logits.detach())
     assert not torch.allclose(before, policy.score_matrix())
     assert torch.allclose(policy.score_matrix(), fresh.reshape(before.shape))
+
+
+def test_a_special_token_inside_a_completion_is_seen_by_the_reward():
+    """Six <pad> then the sum scored 1 on the filler task (the pads were erased when decoding) where
+    six dots score 0: the thinking budget could be bypassed. The verifier now sees the pads."""
+    from rlcourse.lm.sampling import decode_completions
+    from rlcourse.lm.tasks import FillerAdditionTask
+    from rlcourse.lm.tokenizer import build_char_tokenizer
+
+    task, tok = FillerAdditionTask(budget=3), build_char_tokenizer()
+    prompt = "12+34="
+    answer = tok(task.answer(prompt), add_special_tokens=False)["input_ids"]
+    dot = tok(".", add_special_tokens=False)["input_ids"]
+    rows = {"six <pad>": [tok.pad_token_id] * 6, "six <bos>": [tok.bos_token_id] * 6, "six dots": dot * 6,
+            "two dots": dot * 2}
+    width = 6 + len(answer) + 1
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, prefix in enumerate(rows.values()):
+        row = prefix + answer + [tok.eos_token_id]
+        ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
+    texts = decode_completions(tok, ids, mask)
+    assert texts[0] == "<pad>" * 6 + task.answer(prompt) and texts[3] == ".." + task.answer(prompt)
+    rewards = task.reward([prompt] * len(rows), texts).tolist()
+    assert rewards == [0.0, 0.0, 0.0, 1.0], dict(zip(rows, rewards))
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(temperature=nan), "temperature"), (dict(temperature=inf), "temperature"),
+    (dict(temperature=-0.5), "temperature"), (dict(temperature="1"), "temperature"),
+    (dict(top_k=0), "top_k"), (dict(top_k=2.5), "top_k"), (dict(top_k=True), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=1.5), "max_new_tokens"),
+    (dict(max_new_tokens=nan), "max_new_tokens")])
+def test_sampling_settings_get_an_error_naming_them(kwargs, name):
+    from rlcourse.lm.model import make_model
+    from rlcourse.lm.sampling import sample
+    from rlcourse.lm.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    model = make_model("tiny", tok, seed=0)
+    call = {"max_new_tokens": 3, **kwargs}
+    with pytest.raises(ValueError, match=name):
+        sample(model, tok, ["12+34="], **call)
+    if name == "max_new_tokens":
+        return
+    out = sample(model, tok, ["12+34="], np.int64(3), top_k=np.int64(5), generator=torch.Generator().manual_seed(0))
+    assert out.completion_ids.shape[1] <= 3

@@ -23,6 +23,9 @@ How it works (the same loop as ``model.generate``, with the RL bookkeeping kept 
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +54,7 @@ class Rollout:
     completion_ids: torch.Tensor   # (B, T) long, <pad> after <eos>
     completion_mask: torch.Tensor  # (B, T) long
     logprobs: torch.Tensor         # (B, T) float
-    completions: list[str] = field(default_factory=list)  # decoded, special tokens removed
+    completions: list[str] = field(default_factory=list)  # decode_completions: what a reward sees
     prompts: list[str] = field(default_factory=list)
     eos_token_id: int = -1         # the tokenizer's <eos>, for :attr:`finished`
 
@@ -144,6 +147,31 @@ def decode_threads(model, batch: int) -> int:
     return 1 if batch * width <= ONE_THREAD_MAX_ELEMENTS else torch.get_num_threads()
 
 
+def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
+    """Each completion's text as a reward function must see it: every real token, the end excluded.
+
+    A row's real tokens are those of ``completion_mask``; its closing ``<eos>`` is dropped (it
+    ends the text, it is not part of it). Any other special token the policy wrote *inside* the
+    completion (``<pad>``, ``<bos>``, ``<unk>``) is kept as its text: decoding with
+    ``skip_special_tokens=True`` would erase it, and a policy trained on what it wrote but scored
+    on what was left could hide tokens from the verifier (six ``<pad>`` before an answer would pass
+    for no thinking at all).
+    """
+    eos = tokenizer.eos_token_id
+    texts = []
+    for ids, mask in zip(completion_ids.tolist(), completion_mask.tolist()):
+        real = [t for t, m in zip(ids, mask) if m]
+        if real and real[-1] == eos:
+            real = real[:-1]
+        texts.append(tokenizer.decode(real, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+    return texts
+
+
+def _positive_int(n) -> bool:
+    """An integer >= 1 (a NumPy integer counts; a bool or a float such as 4.0 does not)."""
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
+
+
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, generator: torch.Generator | None = None,
@@ -166,12 +194,14 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not _positive_int(max_new_tokens):
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+    if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)
+            or not math.isfinite(temperature) or temperature < 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and not _positive_int(top_k):
         raise ValueError(f"top_k must be None or a positive integer, got {top_k!r}")
+    max_new_tokens, top_k = int(max_new_tokens), (None if top_k is None else int(top_k))
     if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
         raise ValueError(f"cpu_threads must be None or a positive integer, got {cpu_threads!r}")
     dev = next(model.parameters()).device
@@ -238,8 +268,7 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
 
     completion_ids = torch.stack(tokens, dim=1)
     completion_mask = torch.stack(masks, dim=1)
-    texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, pad_id).tolist(),
-                                   skip_special_tokens=True)
+    texts = decode_completions(tokenizer, completion_ids, completion_mask)
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                    completion_mask=completion_mask, logprobs=torch.stack(logps, dim=1),
                    completions=texts, prompts=list(prompts), eos_token_id=eos_id)
