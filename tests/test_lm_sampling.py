@@ -12,6 +12,9 @@ from rlcourse.lm.tokenizer import build_char_tokenizer
 
 # Variable lengths, so left padding and position ids are exercised.
 PROMPTS = ["12+34=", "7+1=", "123456+7=", "S=07:", "ce:", "9"]
+# <pad>, <bos>, <unk> of the character tokenizer: the sampler never draws them, and HF generate's
+# greedy oracle is told the same (suppress_tokens).
+SPECIAL = [0, 1, 3]
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +107,7 @@ def test_greedy_matches_hf_generate(model, tok, engine):
     roll = sample(model, tok, PROMPTS, 10, temperature=0.0, engine=engine)
     enc = tok(PROMPTS, padding=True, return_tensors="pt")
     out = model.generate(**enc, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id,
-                         eos_token_id=tok.eos_token_id)
+                         eos_token_id=tok.eos_token_id, suppress_tokens=SPECIAL)
     hf = out[:, enc["input_ids"].shape[1]:]
     T = roll.completion_ids.shape[1]
     ours = roll.completion_ids.masked_fill(roll.completion_mask == 0, tok.pad_token_id)
@@ -120,12 +123,15 @@ def test_top_k_only_draws_from_the_k_best(model, tok):
 
 
 def test_first_token_frequencies_match_the_softmax(model, tok):
-    """Sampling at T draws from softmax(logits / T): a chi-square-style check on 4000 draws."""
+    """Sampling at T draws from softmax(logits / T) with <pad>, <bos>, <unk> removed and the rest
+    renormalised: a chi-square-style check on 4000 draws."""
     n = 4000
     roll = sample(model, tok, ["12+34="] * n, 1, temperature=0.5,
                   generator=torch.Generator().manual_seed(6))
     probs = next_token_logprobs(model, roll.prompt_ids[:1], roll.completion_ids[:1],
                                 roll.prompt_mask[:1], temperature=0.5)[0, 0].exp()
+    probs[[tok.pad_token_id, tok.bos_token_id, tok.unk_token_id]] = 0.0
+    probs = probs / probs.sum()
     counts = torch.bincount(roll.completion_ids[:, 0], minlength=probs.numel()).float()
     sd = (n * probs * (1 - probs)).sqrt()
     assert ((counts - n * probs).abs() <= 5 * sd + 1).all()
@@ -226,7 +232,7 @@ def test_any_causal_lm_works_through_its_own_forward(tok):
     greedy = sample(llama, tok, PROMPTS, 10, temperature=0.0)
     enc = tok(PROMPTS, padding=True, return_tensors="pt")
     hf = llama.generate(**enc, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id,
-                        eos_token_id=tok.eos_token_id)[:, enc["input_ids"].shape[1]:]
+                        eos_token_id=tok.eos_token_id, suppress_tokens=SPECIAL)[:, enc["input_ids"].shape[1]:]
     ours = greedy.completion_ids.masked_fill(greedy.completion_mask == 0, tok.pad_token_id)
     assert torch.equal(ours, hf[:, :ours.shape[1]])
     with pytest.raises(ValueError, match="engine='static' decodes plain GPT-2 models only"):
@@ -320,3 +326,69 @@ def test_small_batches_decode_on_one_thread_with_the_same_numbers(model, tok, mo
         with pytest.raises(RuntimeError, match="cache holds"):     # an error inside the decoding loop
             sample(model, tok, PROMPTS, 3, engine="lean", cpu_threads=1)
         assert torch.get_num_threads() == 2                 # restored after the error too
+
+
+def _model_that_prefers_special_tokens(model, tok, scale=200.0):
+    """A copy whose logits are the same at every position, ``W @ b`` with ``b`` along the rows of
+    ``<pad>``, ``<bos>`` and ``<unk>``: ~85% of the mass sits on those three ids (still plain GPT-2,
+    so every engine decodes it)."""
+    import copy
+
+    biased = copy.deepcopy(model)
+    with torch.no_grad():
+        W = biased.lm_head.weight
+        ln = biased.transformer.ln_f
+        ln.weight.zero_()
+        ln.bias.copy_(scale * W[[tok.pad_token_id, tok.bos_token_id, tok.unk_token_id]].sum(0))
+    return biased
+
+
+def _constant_logits(biased):
+    with torch.no_grad():
+        return biased.lm_head.weight @ biased.transformer.ln_f.bias
+
+
+def test_banned_ids_are_pad_bos_unk_and_never_eos(tok):
+    from types import SimpleNamespace
+
+    from rlcourse.lm.sampling import banned_token_ids
+
+    assert banned_token_ids(tok) == sorted([tok.pad_token_id, tok.bos_token_id, tok.unk_token_id]) == SPECIAL
+    assert tok.eos_token_id not in banned_token_ids(tok)
+    # GPT-2's usual setting: <pad> is <eos>, and <eos> must stay drawable.
+    gpt2_like = SimpleNamespace(eos_token_id=50256, pad_token_id=50256, bos_token_id=50256, unk_token_id=50256)
+    assert banned_token_ids(gpt2_like) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, 4), (0.0, None)])
+def test_sampled_completions_never_hold_pad_bos_or_unk(model, tok, engine, temperature, top_k):
+    """The policy puts ~85% of its mass on <pad>/<bos>/<unk>; not one of them is drawn, and the
+    log-prob stored for each drawn token is still the unmasked one that a trainer recomputes."""
+    biased = _model_that_prefers_special_tokens(model, tok)
+    banned = [tok.pad_token_id, tok.bos_token_id, tok.unk_token_id]
+    first = torch.softmax(_constant_logits(biased), dim=-1)
+    assert float(first[banned].sum()) > 0.5  # without the mask most draws would be special tokens
+    roll = sample(biased, tok, PROMPTS * 8, 10, temperature=temperature, top_k=top_k,
+                  generator=torch.Generator().manual_seed(0), engine=engine)
+    real = roll.completion_ids[roll.completion_mask.bool()]
+    assert not torch.isin(real, torch.tensor(banned)).any()
+    recomputed = sequence_logprobs(biased, roll.prompt_ids, roll.completion_ids, roll.completion_mask,
+                                   roll.prompt_mask, temperature=temperature or 1.0)
+    torch.testing.assert_close(roll.logprobs, recomputed, atol=1e-5, rtol=1e-5)
+
+
+def test_the_masked_draw_follows_the_renormalised_distribution(model, tok):
+    """Oracle: with logits the same at every position, a draw is from
+    ``softmax(logits / T)`` restricted to the allowed ids and renormalised."""
+    biased = _model_that_prefers_special_tokens(model, tok)
+    n, T = 20000, 1.3
+    roll = sample(biased, tok, ["12+34="] * n, 1, temperature=T, generator=torch.Generator().manual_seed(5))
+    logits = _constant_logits(biased)
+    allowed = torch.ones_like(logits, dtype=torch.bool)
+    allowed[[tok.pad_token_id, tok.bos_token_id, tok.unk_token_id]] = False
+    expected = torch.zeros_like(logits)
+    expected[allowed] = torch.softmax(logits[allowed] / T, dim=-1)
+    counts = torch.bincount(roll.completion_ids[:, 0], minlength=logits.numel()).double()
+    se = (expected * (1 - expected) / n).sqrt().double()
+    assert float(((counts / n - expected.double()).abs() - 5 * se).max()) < 1e-3

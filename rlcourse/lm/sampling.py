@@ -15,11 +15,28 @@ How it works (the same loop as ``model.generate``, with the RL bookkeeping kept 
    that tokenises and prefills each distinct prompt once (a GRPO batch repeats every prompt K
    times); on a GPU its one-token step is replayed from a CUDA graph. Any other causal LM uses its
    own forward and a ``transformers.DynamicCache``.
-4. The next token is drawn from ``softmax(logits / temperature)``, optionally restricted to the
-   ``top_k`` largest logits. Its log-prob is read from the *untruncated* temperature-scaled
-   distribution, which is what :func:`rlcourse.lm.logprobs.sequence_logprobs` recomputes.
+4. The next token is drawn from ``softmax(logits / temperature)`` with the logits of ``<pad>``,
+   ``<bos>`` and ``<unk>`` set to ``-inf`` (:func:`banned_token_ids`; ``<eos>`` stays allowed),
+   optionally restricted to the ``top_k`` largest remaining logits. Its log-prob is read from the
+   *unrestricted* temperature-scaled distribution, which is what
+   :func:`rlcourse.lm.logprobs.sequence_logprobs` recomputes (see below).
 5. A row that has produced ``<eos>`` is finished: it keeps receiving ``<pad>``, its mask is 0
    and its log-probs are 0. The loop stops early once every row is finished.
+
+Why special tokens are masked, and why the stored log-probs are not. A policy that writes
+``<pad>`` mid-completion is trained on that token; if a verifier then read text with special
+tokens erased, the pads would be invisible to it (six ``<pad>`` before the sum passed the filler
+task's thinking budget where six dots fail). So the sampler never draws them, and
+:func:`decode_completions` keeps any that a hand-built completion holds. The log-prob stored for a
+drawn token is ``log softmax(logits / T)`` over the whole vocabulary, the same formula every
+trainer recomputes for the current policy (:func:`rlcourse.lm.logprobs.sequence_logprobs`), so
+the importance ratio ``pi_theta / pi_old`` is exactly 1 before the first update and both sides
+share one convention (TRL does the same: its trainers recompute log-probs with the temperature
+only, ignoring the sampler's top-k/top-p and other logit processors). The draw itself comes from
+the masked distribution ``pi(y) / (1 - pi(special))``; the ratio of masked policies differs from
+the stored one by ``(1 - pi_old(special)) / (1 - pi_theta(special))``, a factor 1 whenever the
+policy puts no mass on the masked tokens (a policy fine-tuned on text that never holds them puts
+very little; ``tests/test_lm_sampling.py`` checks the bookkeeping).
 """
 from __future__ import annotations
 
@@ -107,15 +124,34 @@ class _HFDecoder:
         return out.logits[:, -1]
 
 
+def banned_token_ids(tokenizer) -> list[int]:
+    """Ids the sampler never draws: ``<pad>``, ``<bos>`` and ``<unk>``, less ``<eos>`` (which ends a row).
+
+    A tokenizer whose ``<pad>`` is its ``<eos>`` (GPT-2's usual setting) keeps that id allowed.
+    """
+    eos = tokenizer.eos_token_id
+    ids = {tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.unk_token_id} - {None, eos}
+    return sorted(ids)
+
+
 def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row from ``logits`` (B, V); return it (B,) and its log-prob (B,)."""
+                generator: torch.Generator | None,
+                banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from ``logits`` (B, V); return it (B,) and its log-prob (B,).
+
+    The draw is from ``softmax(logits / temperature)`` with the ``banned`` ids' logits at ``-inf``
+    (and, with ``top_k``, only the ``top_k`` largest remaining logits kept); ``temperature=0`` takes
+    the argmax of the same masked logits. The log-prob returned is that of the token under the
+    unmasked ``log_softmax(logits / temperature)`` (``temperature=1`` when greedy): the quantity
+    :func:`rlcourse.lm.logprobs.sequence_logprobs` recomputes (module docstring).
+    """
+    allowed = logits if banned is None or banned.numel() == 0 else logits.index_fill(1, banned, float("-inf"))
     if temperature == 0:  # greedy decoding; the log-prob reported is that of the T=1 policy
         logp_all = F.log_softmax(logits, dim=-1)
-        token = logits.argmax(dim=-1)
+        token = allowed.argmax(dim=-1)
     else:
-        scaled = logits / temperature
-        logp_all = F.log_softmax(scaled, dim=-1)
+        logp_all = F.log_softmax(logits / temperature, dim=-1)
+        scaled = allowed / temperature
         if top_k is not None and top_k < scaled.shape[-1]:
             kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -178,7 +214,8 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
            engine: str = "auto", cpu_threads: int | None = None) -> Rollout:
     """Sample one completion per prompt, batched, with a KV cache. See the module docstring.
 
-    ``temperature=0`` decodes greedily. ``generator`` (a ``torch.Generator`` on the model's
+    ``temperature=0`` decodes greedily (the argmax; a temperature must otherwise be finite and > 0).
+    ``<pad>``, ``<bos>`` and ``<unk>`` are never drawn (:func:`banned_token_ids`). ``generator`` (a ``torch.Generator`` on the model's
     device) makes the draw reproducible. The model is put in eval mode during the call and
     returned to its previous mode.
 
@@ -250,9 +287,10 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
                 decoder = _HFDecoder(model, prompt_mask)
                 logits = decoder.prefill(prompt_ids, position_ids_from_mask(prompt_mask))
             finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+            banned = torch.tensor(banned_token_ids(tokenizer), dtype=torch.long, device=dev)
             tokens, logps, masks = [], [], []
             for step in range(max_new_tokens):
-                token, logp = _next_token(logits.float(), temperature, top_k, generator)
+                token, logp = _next_token(logits.float(), temperature, top_k, generator, banned)
                 alive = ~finished
                 token = torch.where(alive, token, torch.full_like(token, pad_id))
                 tokens.append(token)
