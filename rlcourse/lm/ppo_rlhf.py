@@ -6,7 +6,8 @@ One iteration:
 
 1. **Roll out**: sample a completion per prompt from the policy and keep the sampler's per-token
    log-probs ``log pi_old(y_t)``; score each with the frozen reward model at its last real token
-   (``missing_eos_penalty`` is subtracted when it never emitted ``<eos>``); read the reference
+   (less ``reward_bias``; :func:`eos_rule` then treats a completion that never emitted ``<eos>``:
+   TRL's ``missing_eos_penalty`` or Huang et al.'s ``non_eos_score``); read the reference
    model's log-probs and the critic's values ``V(s_t)``, all without gradient.
 2. **Shape the reward per token** (:func:`kl_shaped_rewards`):
    ``r~_t = -kl_coef * KL_t + [t = last real token] * score``, with ``KL_t`` estimated by k1 (or k3)
@@ -20,6 +21,7 @@ Each step is a method of :class:`PPORLHFTrainer`, so a lesson can override one t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +36,7 @@ from rlcourse.lm.value_model import token_values
 from rlcourse.losses import ppo_clip_loss, ppo_diagnostics, value_loss, masked_mean
 from rlcourse.returns import gae, whiten
 
-__all__ = ["PPOConfig", "PPORLHFTrainer", "kl_shaped_rewards", "advantages_and_returns", "ppo_rlhf_loss",
+__all__ = ["PPOConfig", "PPORLHFTrainer", "eos_rule", "kl_shaped_rewards", "advantages_and_returns", "ppo_rlhf_loss",
            "disable_dropout"]
 
 
@@ -47,6 +49,19 @@ class PPOConfig:
     sample at 1 so the policy is exactly the model and the KL is to the reference model itself.
     ``learning_rate``: TRL's 3e-6 suits billion-parameter models; the tiny GPT needs more.
     ``whiten_advantages`` is not a TRL setting (TRL always whitens); it is here for the ablation.
+
+    Two rules for a completion that never emitted ``<eos>`` (it was cut at ``response_length``):
+    ``missing_eos_penalty`` (TRL's) *subtracts* a penalty from its score; ``non_eos_score`` (Huang
+    et al. 2024, "The N+ Implementation Details of RLHF with PPO", arXiv 2403.17031, who use -1)
+    *replaces* its score by a constant. The first keeps what the reward model thought of the text,
+    the second does not. At most one may be set.
+
+    ``reward_bias`` is subtracted from every reward-model score first: InstructGPT normalises its
+    reward model so that the SFT policy's completions score 0 on average
+    (:func:`rlcourse.lm.reward_model.reward_model_bias` measures it). A Bradley-Terry model fixes
+    only score *differences*, so its level is arbitrary, and with a penalty for a missing
+    ``<eos>`` or a constant for it the level is not harmless: it decides whether that penalty is
+    large or small next to a typical score.
     """
 
     learning_rate: float = 1e-3
@@ -65,6 +80,8 @@ class PPOConfig:
     whiten_rewards: bool = False
     whiten_advantages: bool = True
     missing_eos_penalty: float | None = None
+    non_eos_score: float | None = None
+    reward_bias: float = 0.0
     disable_dropout: bool = True
     seed: int = 0
 
@@ -78,6 +95,29 @@ class PPOConfig:
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma!r}, {self.lam!r}")
         if self.kl_coef < 0 or self.num_ppo_epochs < 1 or self.temperature <= 0:
             raise ValueError("kl_coef must be >= 0, num_ppo_epochs >= 1 and temperature > 0")
+        if self.missing_eos_penalty is not None and self.non_eos_score is not None:
+            raise ValueError("set missing_eos_penalty (TRL: subtract a penalty) or non_eos_score (Huang et al.: "
+                             "replace the score), not both")
+        for name in ("missing_eos_penalty", "non_eos_score", "reward_bias"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def eos_rule(scores: torch.Tensor, finished: torch.Tensor, missing_eos_penalty: float | None = None,
+             non_eos_score: float | None = None) -> torch.Tensor:
+    """The score of each completion after the rule for those that never emitted ``<eos>``.
+
+    ``missing_eos_penalty`` (TRL): ``score - penalty`` where ``finished`` is False;
+    ``non_eos_score`` (Huang et al. 2024): ``non_eos_score`` there instead of the score.
+    Finished completions keep their score; with neither set, nothing changes.
+    """
+    unfinished = ~finished.bool()
+    if missing_eos_penalty is not None:
+        scores = scores - missing_eos_penalty * unfinished.to(scores.dtype)
+    if non_eos_score is not None:
+        scores = torch.where(unfinished, torch.full_like(scores, non_eos_score), scores)
+    return scores
 
 
 def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -182,8 +222,7 @@ class PPORLHFTrainer:
             scores = torch.as_tensor(self.reward_model(ro.prompts, ro.completions), dtype=torch.float32,
                                      device=self.device)
         finished = ro.finished
-        if c.missing_eos_penalty is not None:
-            scores = scores - c.missing_eos_penalty * (~finished).to(scores.dtype)
+        scores = eos_rule(scores - c.reward_bias, finished, c.missing_eos_penalty, c.non_eos_score)
         self.value_model.eval()
         batch["values"] = token_values(self.value_model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
                                        ro.completion_mask)

@@ -31,7 +31,7 @@ from rlcourse.losses.reward_model import bradley_terry_loss, reward_model_metric
 
 __all__ = ["ScalarHeadModel", "last_real_index", "score_at_last_token", "encode_completions",
            "score_completions", "encode_preference_pairs", "score_pairs", "train_reward_model",
-           "evaluate_reward_model"]
+           "evaluate_reward_model", "reward_model_bias"]
 
 
 class ScalarHeadModel(nn.Module):
@@ -47,14 +47,20 @@ class ScalarHeadModel(nn.Module):
         super().__init__()
         self.body = copy.deepcopy(causal_lm.base_model)
         self.config = self.body.config
-        self.head = nn.Linear(self.config.hidden_size, 1, bias=False)
+        self.head = nn.Linear(self.config.hidden_size, 1, bias=False, dtype=torch.float32)
         nn.init.normal_(self.head.weight, std=head_std) if head_std > 0 else nn.init.zeros_(self.head.weight)
         self.head.to(next(self.body.parameters()).device)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``(B, L)`` float32 values. The body may run in bf16; the head must not (see below)."""
+        if self.head.weight.dtype not in (torch.float32, torch.float64):
+            # bf16 keeps 8 bits of mantissa: two scores closer than ~1% of their size come out
+            # equal, and the Bradley-Terry loss and every PPO advantage are built on such differences.
+            raise ValueError(f"the reward/value head must be float32 or float64, got {self.head.weight.dtype}: "
+                             f"cast the body alone (model.body.to(torch.bfloat16)) and keep model.head.float()")
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
 
 
 def last_real_index(mask: torch.Tensor) -> torch.Tensor:
@@ -162,3 +168,25 @@ def evaluate_reward_model(reward_model, tokenizer, pairs: list[dict]) -> dict:
     metrics = {"loss": float(bradley_terry_loss(chosen, rejected)), **reward_model_metrics(chosen, rejected)}
     return {f"eval_{k}": v for k, v in metrics.items()}
 
+
+
+@torch.no_grad()
+def reward_model_bias(reward_model, policy, tokenizer, prompts: list[str], max_new_tokens: int,
+                      generator: torch.Generator | None = None, batch_size: int = 256) -> float:
+    """The reward model's mean score on ``policy``'s own completions of ``prompts``: ``mean_i r(x_i, y_i)``, ``y_i ~ policy``.
+
+    Subtract it from every score (``PPOConfig(reward_bias=...)``) and the policy it was measured on
+    (the SFT model, as in InstructGPT, Ouyang et al. 2022, arXiv 2203.02155) scores 0 on average:
+    a positive reward then means "better than the starting point". Only the level moves; every
+    difference between two scores, all a Bradley-Terry model learned, is unchanged.
+    """
+    from rlcourse.lm.sampling import sample
+
+    if len(prompts) == 0:
+        raise ValueError("prompts must hold at least one prompt")
+    total = 0.0
+    for start in range(0, len(prompts), batch_size):
+        ro = sample(policy, tokenizer, prompts[start:start + batch_size], max_new_tokens, generator=generator)
+        scores = score_completions(reward_model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+        total += float(scores.sum())
+    return total / len(prompts)
