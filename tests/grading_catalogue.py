@@ -73,6 +73,14 @@ def value_iteration_int_values(P, R, gamma, tol=1e-8):
     return V
 
 
+# ------------------------------------------------------------------ iterations stopped before convergence
+def value_iteration_fixed_sweeps(P, R, gamma, tol=1e-8):
+    V = np.zeros(P.shape[0])
+    for _ in range(1000):                 # converged for gamma <= 0.95, 63% of the way at gamma = 0.999
+        V = (R + gamma * P @ V).max(axis=1)
+    return V
+
+
 # ------------------------------------------------------------------ long episodes (float32 drift)
 def discounted_return_float32(rewards, gamma):
     G = np.float32(0.0)
@@ -233,6 +241,7 @@ CATALOGUE = [
     ("integer inputs", "check_softmax_score", score_zeros_like),
     ("integer inputs", "check_moving_average_baselines", moving_average_zeros_like),
     ("integer inputs", "check_value_iteration", value_iteration_int_values),
+    ("stopped before convergence", "check_value_iteration", value_iteration_fixed_sweeps),
     ("float32 drift on long episodes", "check_discounted_return", discounted_return_float32),
     ("float32 drift on long episodes", "check_reward_to_go", rtg_float32),
     ("float32 drift on long episodes", "check_gae", gae_float32),
@@ -280,6 +289,6 @@ if __name__ == "__main__":
     print(f"{sum(hits)} / {len(hits)} caught by {grading.__file__}")
 
 
-FAMILIES = {"extreme magnitudes", "integer inputs", "float32 drift on long episodes", "one parameter value everywhere",
+FAMILIES = {"extreme magnitudes", "integer inputs", "stopped before convergence", "float32 drift on long episodes", "one parameter value everywhere",
             "structural edge cases", "padding holding non-zero values", "gradients that do not flow",
             "inputs modified in place", "ratio regions beyond those sampled"}

@@ -4,7 +4,7 @@
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from grading_asserts import grading_tests
+from grading_asserts import assert_fails, grading_tests
 from rlcourse.grading.lesson07b import check_exact_kl, check_kl_k3
 
 
@@ -113,3 +113,12 @@ WRONG = [
 
 
 test_right_answers_pass, test_wrong_answers_fail_with_a_hint = grading_tests(RIGHT, WRONG)
+
+
+def k3_log_of_exp(logp, logq):       # log(exp(d)) instead of d: -inf once exp(d) underflows
+    rho = torch.exp(logq - logp)
+    return rho - 1 - torch.log(rho)
+
+
+def test_k3_through_log_of_exp_overflows_and_is_told_why():
+    assert_fails(check_kl_k3, k3_log_of_exp, hint="underflows to 0")

@@ -105,18 +105,22 @@ def test_eos_experiment(eos_setup, capsys):
 
     task, policy, tok, rm = eos_setup
 
-    def run(penalty, honour_penalty=True):
+    def run(start, penalty, honour_penalty=True, in_place=False):
         torch.manual_seed(0)
         config = PPOConfig(batch_size=32, response_length=5,
                            missing_eos_penalty=penalty if honour_penalty else None)
-        trainer = PPORLHFTrainer(config, copy.deepcopy(policy), tok, rm, make_value_model("reward", reward_model=rm),
-                                 task.prompts)
-        return trainer.train(6, progress=False)[-1]["val/num_eos_tokens"] / config.batch_size
+        student = start if in_place else copy.deepcopy(start)
+        trainer = PPORLHFTrainer(config, student, tok, rm, make_value_model("reward", reward_model=rm), task.prompts)
+        trainer.train(6, progress=False)
+        return trainer.policy
 
     check_eos_experiment(run)
     assert "EOS trick" in capsys.readouterr().out
-    _fails(check_eos_experiment, lambda p: run(p, honour_penalty=False), match="measured effect")
-    _fails(check_eos_experiment, lambda p: 32 * run(p), match="share")
+    _fails(check_eos_experiment, lambda s, p: run(s, p, honour_penalty=False), match="measured effect")
+    # the old check took a reported share: a hard-coded one passed it
+    _fails(check_eos_experiment, lambda s, p: 0.9 if p else 0.1, match="return the policy")
+    # training the reference model itself (the caller's policy) instead of a copy
+    _fails(check_eos_experiment, lambda s, p: run(s, p, in_place=True), match="train a copy")
 
 
 def test_unfinished_exercises_raise_not_implemented():

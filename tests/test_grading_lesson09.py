@@ -59,7 +59,17 @@ def test_loo_check_catches(wrong):
 
 
 def pg_ok(logprobs, mask, advantages):
+    real = torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs))
+    return -(advantages.detach()[:, None] * real).sum() / logprobs.shape[0]
+
+
+def pg_multiplies_by_the_mask(logprobs, mask, advantages):       # nan where padding holds -inf
     return -(advantages.detach()[:, None] * logprobs * mask).sum() / logprobs.shape[0]
+
+
+def test_a_loss_that_multiplies_by_the_mask_is_told_why():
+    with pytest.raises(CheckFailed, match=r"-inf \* 0 is nan"):
+        check_policy_gradient_loss(pg_multiplies_by_the_mask)
 
 
 def pg_not_detached(logprobs, mask, advantages):
@@ -99,6 +109,13 @@ def _estimate(policy, rewards, K, generator, baseline):
     else:
         adv = r
     return (adv[:, None] * policy.score_matrix()[0, idx]).mean(0)
+
+
+def test_an_estimate_that_ignores_the_generator_is_told_to_use_it():
+    def global_rng(p, r, K, g):
+        return _estimate(p, r, K, torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()))), "rloo")
+    with pytest.raises(CheckFailed, match="the generator you are given"):
+        check_rloo_gradient_estimate(global_rng)
 
 
 def test_rloo_estimate_check(capsys):

@@ -56,13 +56,32 @@ def test_group_advantages_check_catches(wrong):
         check_group_advantages(wrong)
 
 
-def agg_ok(x, mask, loss_type, L):
+def agg_ok(x, mask, loss_type, L, select=True):
     m = mask.to(x.dtype)
+    real = torch.where(mask.bool(), x, torch.zeros_like(x)) if select else x * m
     if loss_type == "grpo":
-        return ((x * m).sum(1) / m.sum(1)).mean()
+        return (real.sum(1) / m.sum(1)).mean()
     if loss_type == "dapo":
-        return (x * m).sum() / m.sum()
-    return (x * m).sum() / (x.shape[0] * L)
+        return real.sum() / m.sum()
+    return real.sum() / (x.shape[0] * L)
+
+
+def agg_multiplies_by_the_mask(x, mask, loss_type, L):     # nan where padding holds inf
+    return agg_ok(x, mask, loss_type, L, select=False)
+
+
+def agg_compares_with_is(x, mask, loss_type, L):          # the right loss only for interned strings
+    for name in ("grpo", "dapo"):
+        if loss_type is name:
+            return agg_ok(x, mask, name, L)
+    return agg_ok(x, mask, "dr_grpo", L)
+
+
+@pytest.mark.parametrize("wrong, hint", [(agg_multiplies_by_the_mask, "0 * inf is nan"),
+                                         (agg_compares_with_is, "compared with ==, not `is`")])
+def test_aggregate_mistakes_the_old_check_passed_are_told_their_cause(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint.replace("*", r"\*")):
+        check_aggregate_loss(wrong)
 
 
 def agg_grpo_token_mean(x, mask, loss_type, L):
@@ -90,7 +109,18 @@ def test_aggregate_check_catches(wrong):
 
 def ratio_ok(logp, old, mask):
     m = mask.to(logp.dtype)
+    d = torch.where(mask.bool(), logp - old, torch.zeros_like(logp))
+    return torch.exp(d.sum(1, keepdim=True) / m.sum(1, keepdim=True))
+
+
+def ratio_multiplies_by_the_mask(logp, old, mask):       # nan where padding holds inf
+    m = mask.to(logp.dtype)
     return torch.exp(((logp - old) * m).sum(1, keepdim=True) / m.sum(1, keepdim=True))
+
+
+def test_a_sequence_ratio_that_multiplies_by_the_mask_is_told_why():
+    with pytest.raises(CheckFailed, match=r"0 \* inf is nan"):
+        check_sequence_ratio(ratio_multiplies_by_the_mask)
 
 
 def ratio_sum(logp, old, mask):

@@ -94,6 +94,14 @@ def best_point_not_final(run, algorithms, seeds, cfg):
     return {a: t_interval([max(p["validity"] for p in run(a, s, cfg)["curve"]) for s in seeds]) for a in algorithms}
 
 
+def seeds_zero_one_two(run, algorithms, seeds, cfg):        # passed when the check's seeds were 0, 1, 2
+    return {a: t_interval([run(a, s, cfg)["curve"][-1]["validity"] for s in range(len(seeds))]) for a in algorithms}
+
+
+def test_an_experiment_on_its_own_seeds_is_told_to_use_the_given_ones():
+    assert_fails(check_final_validity_intervals, seeds_zero_one_two, hint="use the seeds you are given", **SMALL)
+
+
 def experiment_with_ddof0(run, algorithms, seeds, cfg):
     return {a: t_ddof0([run(a, s, cfg)["curve"][-1]["validity"] for s in seeds]) for a in algorithms}
 

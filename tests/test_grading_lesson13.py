@@ -134,9 +134,17 @@ def reward_result_not_function(task):
     return [0.0]
 
 
+def reward_numpy_floats(task):          # right: TRL builds a tensor from the list, NumPy numbers included
+    def reward(prompts, completions, **kwargs):
+        return list(task.reward(prompts, completions).double().numpy())
+    reward.__name__ = f"{type(task).__name__}_reward"
+    return reward
+
+
 def test_reward_func_check_passes_references(capsys):
     check_reward_func(task_reward_func)
     check_reward_func(reward_by_hand)
+    check_reward_func(reward_numpy_floats)
     assert "check_reward_func: all 3 cases passed" in capsys.readouterr().out
 
 
@@ -173,6 +181,15 @@ def distributed_truthy(report, requested_processes):
     return int(distributed_ok(report, requested_processes))
 
 
+def distributed_trusts_the_flag(report, requested_processes):   # the report's summary, not its evidence
+    return report["world_size"] == requested_processes == len(report["checksums"]) and report["replicas_identical"]
+
+
+def test_a_check_of_the_distributed_run_that_trusts_the_summary_flag_is_told_why():
+    with pytest.raises(CheckFailed, match="compare the checksums themselves"):
+        check_really_distributed(distributed_trusts_the_flag)
+
+
 def distributed_pops(report, requested_processes):
     sums = report.pop("checksums")
     return report["world_size"] == requested_processes == len(sums) and len(set(sums)) == 1
@@ -180,11 +197,12 @@ def distributed_pops(report, requested_processes):
 
 def test_really_distributed_check_passes_reference(capsys):
     check_really_distributed(distributed_ok)
-    assert "check_really_distributed: all 8 cases passed" in capsys.readouterr().out
+    assert "check_really_distributed: all 10 cases passed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong", [distributed_world_only, distributed_flag_only, distributed_more_than_one,
-                                   distributed_first_two, distributed_truthy, distributed_pops])
+                                   distributed_first_two, distributed_truthy, distributed_pops,
+                                   distributed_trusts_the_flag])
 def test_really_distributed_check_catches(wrong):
     with pytest.raises(CheckFailed):
         check_really_distributed(wrong)

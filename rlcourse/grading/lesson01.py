@@ -97,7 +97,19 @@ def check_value_iteration(fn) -> None:
                      hint="repeat V(s) <- max_a [R(s,a) + gamma * sum_s' P(s'|s,a) V(s')] until the "
                           "largest change is below tol (one sweep is not enough); keep V in floats")
         n_cases += 1
-    passed(name, n_cases)
+    # gamma = 0.999: a reward of 1 forever is worth 1000, and after k sweeps from V = 0 value
+    # iteration holds (1 - 0.999^k) * 1000: 632 after 1000 sweeps, 99.995% only after ~10^4.
+    # A fixed number of sweeps passes the cases above and fails here; iterate until the change < tol.
+    P = np.zeros((2, 2, 2))
+    P[0, 0, 0] = P[0, 1, 1] = P[1, :, 1] = 1.0        # state 1 is absorbing and pays 1 per step
+    R = np.array([[0.0, 0.5], [1.0, 1.0]])
+    case = "a slow chain with gamma=0.999 (V*(1) = 1/(1 - gamma) = 1000)"
+    got = call_unmutated(name, case, fn, P, R, 0.999, 1e-10)
+    expected = tabular.value_iteration(_mdp(P, R), 0.999, tol=1e-12).V
+    assert_close(name, case, expected, got, atol=1e-5, rtol=1e-8,
+                 hint="with gamma close to 1 the values converge slowly (the error shrinks by gamma per "
+                      "sweep): stop when the largest change is below tol, not after a fixed number of sweeps")
+    passed(name, n_cases + 1)
 
 
 @references("rlcourse.tabular:q_learning_update")

@@ -86,6 +86,12 @@ def check_kl_k3(fn) -> None:
                       logp + 0.8 * torch.randn(2, 5, generator=gen, dtype=torch.float64)))
     cases.append(("very unlikely tokens (log-probs near -800)", torch.tensor([-800.0, -799.0], dtype=torch.float64),
                   torch.tensor([-799.5, -800.0], dtype=torch.float64)))
+    # rho = exp(-800) underflows to 0 in float64 (exp(-120) in float32): log(rho) is then -inf and
+    # k3 inf, where (rho - 1) - (logq - logp) = 799 (119) is finite. Only the log-ratio itself is safe.
+    cases.append(("a token the reference almost never writes (logq - logp = -800, float64)",
+                  torch.tensor([-1.0, -0.5], dtype=torch.float64), torch.tensor([-801.0, -0.7], dtype=torch.float64)))
+    cases.append(("a token the reference almost never writes (logq - logp = -120, float32)",
+                  torch.tensor([-1.0, -0.5]), torch.tensor([-121.0, -0.7])))
     for case, logp, logq in cases:
         got = call_unmutated(name, case, fn, logp, logq)
         expected = kl.kl_k3(logp, logq)
@@ -98,6 +104,9 @@ def check_kl_k3(fn) -> None:
                         "since the samples come from pi_theta")
             elif np.allclose(got_np, to_numpy(kl.kl_k1(logp, logq)), atol=1e-7) and not torch.equal(logp, logq):
                 hint = "that is k1 = -log rho; k3 adds the zero-mean control variate (rho - 1)"
+            elif not np.isfinite(got_np).all():
+                hint = ("log(rho) with rho = exp(logq - logp) is -inf once the exponential underflows to 0: "
+                        "use the log-ratio logq - logp itself for log rho, and exp only for rho - 1")
         assert_close(name, case, expected, _grad_free(got), hint=hint, atol=1e-7, rtol=1e-6)
     passed(name, len(cases))
 

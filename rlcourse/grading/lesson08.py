@@ -193,20 +193,45 @@ def check_token_gae(fn) -> None:
     passed(name, len(cases))
 
 
+def _finished_share(policy, n_prompts: int = 128) -> float:
+    """The share of ``policy``'s completions (``response_length=5``) that end with ``<eos>``, measured here."""
+    from rlcourse.lm import PreferenceTask, load_checkpoint, sample
+
+    _, tokenizer = load_checkpoint("preference-sft", device="cpu")
+    prompts = PreferenceTask().test_prompts(n_prompts)
+    rollout = sample(policy, tokenizer, prompts, 5, generator=torch.Generator().manual_seed(0))
+    return float(rollout.finished.float().mean())
+
+
 def check_eos_experiment(fn) -> None:
-    """``fn(missing_eos_penalty) -> float``: the share of completions that end with ``<eos>`` after a short
-    PPO run with ``response_length=5``; the penalty must raise it by at least 0.3 (measured)."""
+    """``fn(policy, missing_eos_penalty) -> trained policy``: a short PPO run with ``response_length=5``
+    from a copy of ``policy`` (the SFT checkpoint, handed over by the check).
+
+    Judged by what the returned policies do, measured here on 128 test prompts with the check's own
+    generator (a reported number could be anything): with the penalty at least 0.3 more of their
+    completions must end with ``<eos>`` than without it. The policy handed over must come back
+    unchanged: it is the reference model, which the caller still needs.
+    """
     __tracebackhide__ = True
+    from rlcourse.lm import load_checkpoint
+
     name = "check_eos_experiment"
-    without = fn(None)
-    with_penalty = fn(1.0)
-    for label, value in (("missing_eos_penalty=None", without), ("missing_eos_penalty=1.0", with_penalty)):
-        if not isinstance(value, (float, int, np.floating)) or not 0.0 <= float(value) <= 1.0:
-            fail(name, label, "a share of completions in [0, 1]", value,
-                 "return the fraction of the last batch's completions that produced <eos>")
-    if not float(with_penalty) >= float(without) + 0.3:
-        fail(name, "the measured effect of the EOS trick", "with the penalty at least 0.3 more completions ended",
-             f"{float(without):.2f} without, {float(with_penalty):.2f} with",
-             "pass missing_eos_penalty to PPOConfig, use response_length=5, and measure the share of "
-             "completions that ended (val/num_eos_tokens / batch_size) at the end of the run")
+    shares = {}
+    for penalty in (None, 1.0):
+        label = f"missing_eos_penalty={penalty}"
+        start, _ = load_checkpoint("preference-sft", device="cpu")
+        before = [p.detach().clone() for p in start.parameters()]
+        trained = fn(start, penalty)
+        if not isinstance(trained, torch.nn.Module) or not hasattr(trained, "get_input_embeddings"):
+            fail(name, label, "the trained policy (a causal LM)", f"{type(trained).__name__} {trained!r:.60}",
+                 "return the policy the trainer updated (trainer.policy), not a number: the check measures it")
+        if not all(torch.equal(a, b.detach()) for a, b in zip(before, start.parameters())):
+            fail(name, label, "the policy handed over left unchanged", "its weights were trained",
+                 "train a copy (copy.deepcopy(policy)): the policy you are given is the reference model")
+        shares[penalty] = _finished_share(trained.cpu().eval())
+    if not shares[1.0] >= shares[None] + 0.3:
+        fail(name, "the measured effect of the EOS trick", "with the penalty at least 0.3 more completions end",
+             f"{shares[None]:.2f} without, {shares[1.0]:.2f} with",
+             "pass missing_eos_penalty to PPOConfig, use response_length=5, train a fresh copy of the policy "
+             "for each run, and return the trained policy")
     print(f"✔ {name}: the EOS trick raised the share of finished completions by at least 0.3")

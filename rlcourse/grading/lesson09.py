@@ -86,6 +86,10 @@ def check_policy_gradient_loss(fn) -> None:
         logp = torch.where(mask.bool(), logp, torch.full_like(logp, -7.0))     # padding holds junk
         adv = torch.randn(B, generator=gen)
         cases.append((f"batch #{i} (B={B}, T={T}, padding holds -7.0)", logp, mask, adv))
+    # A token outside top-k has log-prob -inf: after <eos> the padding can hold it, and -inf * 0 is nan.
+    logp, mask = -torch.rand(3, 4, generator=gen) * 3, torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    cases.append(("padding holding -inf (B=3, T=4)", torch.where(mask.bool(), logp, torch.full_like(logp, -float("inf"))),
+                  mask, torch.randn(3, generator=gen)))
     for case, logp0, mask, adv0 in cases:
         logp = logp0.clone().requires_grad_()
         source = adv0.clone().requires_grad_()
@@ -94,16 +98,23 @@ def check_policy_gradient_loss(fn) -> None:
         if not isinstance(got, torch.Tensor) or got.ndim != 0:
             fail(name, case, "a scalar tensor", got, "return one number: the loss to minimise")
         m = mask.to(logp0.dtype)
-        expected = -(adv0[:, None] * logp0 * m).sum() / logp0.shape[0]
+        real = torch.where(mask.bool(), logp0, torch.zeros_like(logp0))
+        expected = -(adv0[:, None] * real).sum() / logp0.shape[0]
+        if not torch.isfinite(got.detach()).all():
+            fail(name, case, expected, got.detach(), "padding may hold -inf and -inf * 0 is nan: select the real "
+                 "tokens with torch.where(mask.bool(), logprobs, 0) instead of multiplying by the mask")
         hint = "loss = -(1/B) sum_i A_i sum_t mask_it logprobs_it (minus: optimisers minimise)"
         fail_if_mistake(name, case, expected, got.detach(), -expected, "wrong sign: minimising must raise "
                         "log pi of completions with positive advantage, so the loss is MINUS A log pi")
-        fail_if_mistake(name, case, expected, got.detach(), -(adv0[:, None] * logp0 * m).sum() / m.sum(),
+        fail_if_mistake(name, case, expected, got.detach(), -(adv0[:, None] * real).sum() / m.sum(),
                         "divide by the number of completions B (one REINFORCE term per sequence), not tokens")
         fail_if_mistake(name, case, expected, got.detach(), -(adv0[:, None] * logp0).sum() / logp0.shape[0],
                         "multiply by the mask: padding after <eos> holds junk log-probs")
         assert_close(name, case, expected, got.detach(), hint=hint, atol=1e-5)
         got.backward()
+        if not torch.isfinite(logp.grad).all():
+            fail(name, case + " (gradient)", "finite gradients", "nan in logprobs.grad",
+                 "the padding's -inf reached the gradient: select with torch.where(mask.bool(), logprobs, 0)")
         if source.grad is not None and float(source.grad.abs().sum()) > 0:
             fail(name, case, "no gradient into the advantages", "advantages received a gradient",
                  "detach the advantage (advantages.detach()): it is a weight, not something to optimise")
@@ -135,6 +146,11 @@ def check_rloo_gradient_estimate(fn) -> None:
             fail(name, f"K={K}", f"a flat gradient of shape {tuple(exact.shape)}",
                  None if first is None else f"shape {to_numpy(first).shape}",
                  "return (1/K) sum_i A_i * score[y_i], a vector of policy.logits.numel() numbers")
+        again = [torch.as_tensor(to_numpy(fn(policy, rewards, K, torch.Generator().manual_seed(5)))) for _ in range(2)]
+        if not torch.equal(again[0], again[1]):
+            fail(name, f"K={K}, two generators seeded alike", "the same estimate twice", "two different estimates",
+                 "draw the samples with the generator you are given (policy.sample(K, generator=generator)), "
+                 "not from torch's global random state: a seeded run must be reproducible")
         draws = torch.stack([torch.as_tensor(to_numpy(fn(policy, rewards, K, gen))) for _ in range(n)]).float()
         ours = estimator_stats(draws, exact)
         ref = estimator_stats(gradient_estimates(policy, rewards, K, "rloo", 20_000,

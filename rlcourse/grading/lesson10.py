@@ -3,7 +3,9 @@
 * :func:`check_group_advantages` - GRPO's group-normalised advantage with a std floor (mistakes
   caught: the population std, no floor, the floor under the square root, one mean over the batch,
   groups read across the batch, float leftovers left in groups of equal rewards);
-* :func:`check_aggregate_loss` - sequence mean (grpo), token mean (dapo), constant (dr_grpo);
+* :func:`check_aggregate_loss` - sequence mean (grpo), token mean (dapo), constant (dr_grpo), with
+  ``loss_type`` strings built at run time (``is`` is not ``==``) and padding holding inf and nan
+  (multiplying by the mask makes nan);
 * :func:`check_sequence_ratio` - GSPO's length-normalised sequence ratio;
 * :func:`check_length_bias_experiment` - an experiment: the learner's training loop on the exact
   oracle must reproduce Dr. GRPO's finding (wrong answers grow longer under grpo's aggregation).
@@ -21,7 +23,8 @@ __all__ = ["check_group_advantages", "check_aggregate_loss", "check_sequence_rat
 def _unmutated(name, case, fn, *args):
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     got = fn(*args)
-    if any(isinstance(a, torch.Tensor) and not torch.equal(b, a) for b, a in zip(before, args)):
+    if any(isinstance(a, torch.Tensor) and not (b.shape == a.shape and torch.allclose(b, a, rtol=0, atol=0, equal_nan=True))
+           for b, a in zip(before, args)):     # equal_nan: padding may hold nan, which is never == itself
         fail(name, case, "inputs left unchanged", "an input tensor was modified in place",
              "compute new tensors instead of writing into the arguments")
     return got
@@ -85,6 +88,13 @@ def _token_cases(seed):
         x = torch.randn(B, T, generator=gen)
         x = torch.where(mask.bool(), x, torch.full_like(x, 9.0))            # junk on padding
         cases.append((f"batch #{i} (B={B}, T={T}, lengths {lengths.tolist()}, padding holds 9.0)", x, mask))
+    # A padded loss can be inf or nan (a ratio that overflowed where nothing was sampled): 0 * inf is
+    # nan, so multiplying by the mask is not enough; select the real tokens.
+    B, T = 3, 5
+    mask = (torch.arange(T) < torch.tensor([5, 2, 3])[:, None]).long()
+    x = torch.randn(B, T, generator=gen)
+    x = torch.where(mask.bool(), x, torch.tensor([float("inf"), float("-inf"), float("nan")]).repeat(2)[:T])
+    cases.append(("padding holding inf, -inf and nan (B=3, T=5, lengths [5, 2, 3])", x, mask))
     return cases
 
 
@@ -100,7 +110,8 @@ def check_aggregate_loss(fn) -> None:
     for case, x, mask in _token_cases(101):
         m = mask.double()
         xm = x.double() * m
-        for loss_type in ("grpo", "dapo", "dr_grpo"):
+        # built at run time, as a config read from a file would give them: `is "grpo"` is then False
+        for loss_type in ("".join(["gr", "po"]), "".join(["da", "po"]), "".join(["dr_", "grpo"])):
             L = x.shape[1] + 2
             got = _unmutated(name, f"{case}, {loss_type}", fn, x, mask, loss_type, L)
             expected = reference(x, mask, loss_type, L)
@@ -109,9 +120,16 @@ def check_aggregate_loss(fn) -> None:
                      "seq": ((xm.sum(1) / m.sum(1)).mean(), "dapo is one mean over all real tokens of the batch"),
                      "drT": (xm.sum() / (x.shape[0] * x.shape[1]), "dr_grpo divides by B * max_completion_length, "
                                                                    "a constant, not by the padded width"),
-                     "nomask": ((x.double().sum(1) / m.sum(1)).mean(), "padding holds junk: multiply by the mask")}
+                     "nomask": ((x.double().sum(1) / m.sum(1)).mean(), "padding holds junk: leave it out")}
             for key, (value, hint) in wrong.items():
                 fail_if_mistake(name, label, expected, got, value, hint)
+            if got is not None and not torch.isfinite(torch.as_tensor(to_numpy(got))).all():
+                fail(name, label, expected, got, "padding may hold inf or nan and 0 * inf is nan: select the real "
+                     "tokens with torch.where(mask.bool(), per_token, 0) instead of multiplying by the mask")
+            for other in {"grpo", "dapo", "dr_grpo"} - {loss_type}:
+                fail_if_mistake(name, label, expected, got, reference(x, mask, other, L),
+                                f"this is the {other!r} loss: a loss_type string is compared with ==, not `is` "
+                                f"(`is` holds only for strings Python happened to intern)")
             assert_close(name, label, expected, got, atol=1e-5,
                          hint="grpo: mean_i(sum_t m l / |y_i|); dapo: sum m l / sum m; dr_grpo: sum m l / (B L)")
             n += 1
@@ -140,6 +158,9 @@ def check_sequence_ratio(fn) -> None:
         fail_if_mistake(name, case, expected, got,
                         ((d.exp() * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True)),
                         "the mean is taken of the log-ratios, then exponentiated (not a mean of ratios)")
+        if got is not None and not torch.isfinite(torch.as_tensor(to_numpy(got))).all():
+            fail(name, case, expected, got, "padding may hold inf or nan and 0 * inf is nan: select the real "
+                 "tokens' log-ratios with torch.where(mask.bool(), logp - old, 0) instead of multiplying by the mask")
         assert_close(name, case, expected, got, hint="exp(sum_t m (logp - old) / sum_t m), shape (B, 1)", atol=1e-5)
         got.sum().backward()
         if logp.grad is None:

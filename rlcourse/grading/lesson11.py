@@ -53,7 +53,14 @@ def _call_checked(name, case, fn, *tensors_then_rest):
     return got
 
 
-@references("rlcourse.losses.dpo:dpo_sigmoid_loss")
+# Every library function that computes the answer (or its core, the log-ratio margin): calling one
+# is not writing the loss. robust_dpo_loss with label_smoothing=0 is DPO's loss; preference_loss
+# with loss_type="sigmoid" is its mean.
+_DPO_LIBRARY = ("rlcourse.losses.dpo:dpo_sigmoid_loss", "rlcourse.losses.dpo:robust_dpo_loss",
+                "rlcourse.losses.dpo:preference_loss", "rlcourse.losses.dpo:dpo_logratio_margin")
+
+
+@references(*_DPO_LIBRARY)
 def check_dpo_loss(fn) -> None:
     """``fn(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta) -> (B,)``:
     ``-log sigmoid(beta * ([log pi(y_w) - log pi_ref(y_w)] - [log pi(y_l) - log pi_ref(y_l)]))``, one per pair."""
@@ -87,7 +94,7 @@ def check_dpo_loss(fn) -> None:
     passed(name, len(cases))
 
 
-@references("rlcourse.losses.dpo:dpo_implicit_reward")
+@references("rlcourse.losses.dpo:dpo_implicit_reward", "rlcourse.preference_oracle:CategoricalBandit.implicit_reward")
 def check_implicit_reward(fn) -> None:
     """``fn(policy_logps, ref_logps, beta) -> tensor``: ``beta * (log pi(y|x) - log pi_ref(y|x))``."""
     __tracebackhide__ = True
@@ -114,7 +121,8 @@ def check_implicit_reward(fn) -> None:
     passed(name, len(cases))
 
 
-@references("rlcourse.losses.dpo:ipo_loss")
+@references("rlcourse.losses.dpo:ipo_loss", "rlcourse.losses.dpo:preference_loss",
+            "rlcourse.losses.dpo:dpo_logratio_margin")
 def check_ipo_loss(fn) -> None:
     """``fn(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta) -> (B,)``:
     ``(h - 1 / (2 beta))^2`` per pair, ``h`` the log-ratio margin (sequence-level, no length normalisation)."""
@@ -143,6 +151,8 @@ def check_ipo_loss(fn) -> None:
     passed(name, len(cases))
 
 
+@references("rlcourse.preference_oracle:train_tabular_policy", "rlcourse.preference_oracle:CategoricalBandit.optimal_logprobs",
+            *_DPO_LIBRARY)
 def check_fit_dpo_policy(fn) -> None:
     """``fn(bandit, pairs, beta) -> (P, K)`` log-probs of a tabular policy fitted by DPO.
 

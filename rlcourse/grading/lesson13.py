@@ -5,8 +5,9 @@
   completion length left unresolved; TRL's decaying learning rate left in place; ``max_steps``
   passed unchanged although TRL counts optimiser steps; a setting TRL cannot express mapped
   silently instead of refused);
-* :func:`check_reward_func` - a task's verifier as a TRL reward function (a list of floats, one per
-  completion, extra dataset columns accepted, named after the task for TRL's logs);
+* :func:`check_reward_func` - a task's verifier as a TRL reward function (a list of numbers, one per
+  completion: Python or NumPy floats, as TRL accepts both; extra dataset columns accepted, named
+  after the task for TRL's logs);
 * :func:`check_really_distributed` - an experiment: reports whose weight checksums come from real
   models (replicas of one checkpoint, and a copy that took a training step) must be told apart:
   the right number of processes, all holding the same weights.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import numbers
 
 from rlcourse.grading._core import call_unmutated, fail, passed, references
 
@@ -113,9 +115,11 @@ def check_reward_func(fn) -> None:
         except TypeError as e:
             fail(name, case, "reward(prompts, completions, **columns)", f"TypeError: {e}",
                  "TRL passes every other dataset column and more as keyword arguments: accept **kwargs")
-        if not isinstance(got, list) or not all(type(x) is float for x in got):
-            fail(name, case, "a list of Python floats", f"{type(got).__name__} {got!r:.80}",
-                 "TRL expects a list with one float per completion: [float(x) for x in ...]")
+        # TRL turns the list into a tensor: a Python float, an int or a NumPy number all work.
+        if not isinstance(got, list) or not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in got):
+            fail(name, case, "a list of numbers", f"{type(got).__name__} {got!r:.80}",
+                 "TRL expects a list with one number per completion: [float(x) for x in ...]")
+        got = [float(x) for x in got]
         if got != expected:
             fail(name, case, expected, got, "score completion i of prompt i with task.reward(prompts, completions)")
         want = f"{type(task).__name__}_reward"
@@ -161,10 +165,15 @@ def check_really_distributed(fn) -> None:
              ("4 requested, 4 processes, the last one drifted", dict(world_size=4, checksums=[same] * 3 + [other]), 4, False),
              ("1 process requested and started", dict(world_size=1, checksums=[other]), 1, True),
              ("8 requested, only 2 started though they agree", dict(world_size=2, checksums=[same, same]), 8, False),
-             ("world_size says 2 but only one checksum was gathered", dict(world_size=2, checksums=[same]), 2, False)]
+             ("world_size says 2 but only one checksum was gathered", dict(world_size=2, checksums=[same]), 2, False),
+             # A summary flag is a claim, the checksums are the evidence: judge by what was measured.
+             ("replicas_identical says True, but the two checksums differ",
+              dict(world_size=2, checksums=[same, other], replicas_identical=True), 2, False),
+             ("replicas_identical says False, but the two checksums agree",
+              dict(world_size=2, checksums=[other, other], replicas_identical=False), 2, True)]
     for case, fields, requested, expected in cases:
-        report = {**fields, "rank": 0, "replicas_identical": len(set(fields["checksums"])) == 1,
-                  "exact_match_before": 0.35, "exact_match_after": 0.4}
+        report = {"rank": 0, "replicas_identical": len(set(fields["checksums"])) == 1,
+                  "exact_match_before": 0.35, "exact_match_after": 0.4, **fields}
         got = call_unmutated(name, case, fn, report, requested)
         if not isinstance(got, bool):
             fail(name, case, "True or False", f"{type(got).__name__} {got!r:.60}", "return a bool")
@@ -172,5 +181,8 @@ def check_really_distributed(fn) -> None:
             hint = ("count the processes: world_size must equal requested_processes, with one checksum each"
                     if fields["world_size"] != requested or len(fields["checksums"]) != requested else
                     "data-parallel replicas end with identical weights: every checksum must be equal")
+            if "replicas_identical" in fields:
+                hint = ("compare the checksums themselves: replicas_identical is the report's own summary, and a "
+                        "check of a distributed run must rest on what each process measured")
             fail(name, case, expected, got, hint)
     passed(name, len(cases))
