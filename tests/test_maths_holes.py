@@ -207,38 +207,3 @@ def test_a_bf16_reward_head_is_refused_and_a_bf16_body_keeps_a_float32_head():
     got, want = half_body(ids, mask), full(ids, mask)
     assert got.dtype == torch.float32 and torch.allclose(got, want, atol=0.05 * float(want.abs().max()) + 1e-3)
 
-
-def test_the_two_eos_rules_differ_as_documented():
-    from rlcourse.lm.ppo_rlhf import PPOConfig, eos_rule
-
-    scores, finished = torch.tensor([0.5, 2.0, -0.3]), torch.tensor([True, False, False])
-    assert torch.equal(eos_rule(scores, finished), scores)
-    assert torch.allclose(eos_rule(scores, finished, missing_eos_penalty=1.0), torch.tensor([0.5, 1.0, -1.3]))
-    assert torch.allclose(eos_rule(scores, finished, non_eos_score=-1.0), torch.tensor([0.5, -1.0, -1.0]))
-    with pytest.raises(ValueError, match="not both"):
-        PPOConfig(missing_eos_penalty=1.0, non_eos_score=-1.0)
-    with pytest.raises(ValueError, match="reward_bias"):
-        PPOConfig(reward_bias=nan)
-
-
-def test_reward_model_bias_centres_the_sft_policy_on_zero():
-    """Oracle: the mean of the scores of the same samples, computed by hand with the same generator."""
-    from rlcourse.lm import PreferenceTask, load_checkpoint
-    from rlcourse.lm.reward_model import ScalarHeadModel, reward_model_bias, score_completions
-    from rlcourse.lm.sampling import sample
-
-    task = PreferenceTask()
-    policy, tok = load_checkpoint("preference-sft", device="cpu")
-    torch.manual_seed(0)
-    rm = ScalarHeadModel(policy)
-    prompts = task.test_prompts(48)
-    bias = reward_model_bias(rm, policy, tok, prompts, task.max_new_tokens, torch.Generator().manual_seed(3),
-                             batch_size=20)
-    by_hand = []
-    gen = torch.Generator().manual_seed(3)
-    for start in range(0, 48, 20):
-        ro = sample(policy, tok, prompts[start:start + 20], task.max_new_tokens, generator=gen)
-        by_hand.append(score_completions(rm, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask))
-    scores = torch.cat(by_hand)
-    assert abs(bias - float(scores.mean())) < 1e-5
-    assert abs(float((scores - bias).mean())) < 1e-5
