@@ -48,7 +48,9 @@ def test_the_two_rules_differ_where_the_reward_model_ranked_unfinished_text():
 @pytest.mark.parametrize("kwargs, name", [
     (dict(missing_eos_penalty=1.0, non_eos_score=-1.0), "not both"),
     (dict(non_eos_score=float("nan")), "non_eos_score"), (dict(missing_eos_penalty=float("inf")), "missing_eos_penalty"),
-    (dict(reward_bias=float("nan")), "reward_bias")])
+    (dict(reward_bias=float("nan")), "reward_bias"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=0.0), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(kl_coef=float("nan")), "kl_coef")])
 def test_config_refuses_bad_score_options(kwargs, name):
     with pytest.raises(ValueError, match=name):
         PPOConfig(**kwargs)
@@ -97,3 +99,14 @@ def test_reward_model_bias_centres_the_sft_policy_on_held_out_prompts(setup):
     torch.testing.assert_close((raw - bias)[1:] - (raw - bias)[:-1], raw[1:] - raw[:-1], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="prompts"):
         reward_model_bias(rm, policy, tok, [], task.max_new_tokens)
+
+
+def test_best_of_n_names_a_bad_sampling_setting(setup):
+    from rlcourse.lm.best_of_n import best_of_n
+
+    policy, tok, rm = setup
+    for kwargs, name in [(dict(temperature=float("nan")), "temperature"), (dict(max_new_tokens=0), "max_new_tokens"),
+                         (dict(n=0), "n must")]:
+        call = {"n": 2, "max_new_tokens": 4, **kwargs}
+        with pytest.raises(ValueError, match=name):
+            best_of_n(policy, tok, rm, ["ab:"], call.pop("n"), call.pop("max_new_tokens"), **call)

@@ -93,8 +93,13 @@ class PPOConfig:
                              f"num_mini_batches ({self.num_mini_batches})")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma!r}, {self.lam!r}")
-        if self.kl_coef < 0 or self.num_ppo_epochs < 1 or self.temperature <= 0:
-            raise ValueError("kl_coef must be >= 0, num_ppo_epochs >= 1 and temperature > 0")
+        if not self.kl_coef >= 0 or self.num_ppo_epochs < 1:   # `not >=` also refuses NaN
+            raise ValueError(f"kl_coef must be >= 0 and num_ppo_epochs >= 1, got {self.kl_coef!r}, "
+                             f"{self.num_ppo_epochs!r}")
+        if not (0 < self.temperature < math.inf):
+            # The trainer samples *and* recomputes log-probs at this temperature: greedy (0) has no
+            # log-prob to recompute, so unlike sample() it is refused here.
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
         if self.missing_eos_penalty is not None and self.non_eos_score is not None:
             raise ValueError("set missing_eos_penalty (TRL: subtract a penalty) or non_eos_score (Huang et al.: "
                              "replace the score), not both")
