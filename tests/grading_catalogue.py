@@ -232,6 +232,48 @@ def ppo_dual_clip(logprobs, old_logprobs, advantages, clip_coef):
     return -surrogate.mean()
 
 
+# ------------------------------------------------------------------ off-by-one in returns
+def rtg_whole_return_everywhere(rewards, gamma):  # sum_{i=0}^{T-1} gamma^i r_i written for every t
+    whole = sum(gamma ** i * r for i, r in enumerate(np.asarray(rewards, dtype=float)))
+    return np.full(len(rewards), whole)
+
+
+def discounted_return_discounts_first(rewards, gamma):  # gamma^(t+1) r_t
+    return float(sum(gamma ** (t + 1) * r for t, r in enumerate(np.asarray(rewards, dtype=float))))
+
+
+# ------------------------------------------------------------------ off-policy samples not importance-weighted
+def surrogate_on_policy(logprobs, old_logprobs, advantages):
+    return (logprobs * advantages).mean()
+
+
+# ------------------------------------------------------------------ misstated paper constants
+def adaptive_beta_thresholds_two(beta, kl, kl_target):
+    return beta / 2 if kl < kl_target / 2 else beta * 2 if kl > kl_target * 2 else beta
+
+
+def adaptive_beta_factor_one_and_a_half(beta, kl, kl_target):
+    return beta / 1.5 if kl < kl_target / 1.5 else beta * 1.5 if kl > kl_target * 1.5 else beta
+
+
+# ------------------------------------------------------------------ seed ignored
+def _entropy_sampled(logits, temperatures, n_samples, generator):
+    out = {}
+    for temp in temperatures:
+        logp = torch.log_softmax(logits / temp, -1)
+        y = torch.multinomial(logp.exp(), n_samples, replacement=True, generator=generator)
+        out[temp] = (float(-logp[y].mean()), float(logp[y].std()))
+    return out
+
+
+def entropy_global_rng(logits, temperatures, n_samples, seed):
+    return _entropy_sampled(logits, temperatures, n_samples, None)
+
+
+def entropy_constant_seed(logits, temperatures, n_samples, seed):
+    return _entropy_sampled(logits, temperatures, n_samples, torch.Generator().manual_seed(0))
+
+
 CATALOGUE = [
     ("extreme magnitudes", "check_softmax_score", score_no_shift),
     ("extreme magnitudes", "check_importance_weight", importance_weight_ratio_of_probs),
@@ -262,6 +304,13 @@ CATALOGUE = [
     ("inputs modified in place", "check_token_entropy", entropy_divides_in_place),
     ("inputs modified in place", "check_kl_k3", k3_in_place),
     ("ratio regions beyond those sampled", "check_ppo_clip_loss", ppo_dual_clip),
+    ("off-by-one in returns", "check_reward_to_go", rtg_whole_return_everywhere),
+    ("off-by-one in returns", "check_discounted_return", discounted_return_discounts_first),
+    ("off-policy samples not importance-weighted", "check_surrogate_objective", surrogate_on_policy),
+    ("misstated paper constants", "check_adaptive_kl_beta", adaptive_beta_thresholds_two),
+    ("misstated paper constants", "check_adaptive_kl_beta", adaptive_beta_factor_one_and_a_half),
+    ("seed ignored", "check_entropy_by_sampling", entropy_global_rng),
+    ("seed ignored", "check_entropy_by_sampling", entropy_constant_seed),
 ]
 
 
@@ -291,4 +340,5 @@ if __name__ == "__main__":
 
 FAMILIES = {"extreme magnitudes", "integer inputs", "stopped before convergence", "float32 drift on long episodes", "one parameter value everywhere",
             "structural edge cases", "padding holding non-zero values", "gradients that do not flow",
-            "inputs modified in place", "ratio regions beyond those sampled"}
+            "inputs modified in place", "ratio regions beyond those sampled", "off-by-one in returns",
+            "off-policy samples not importance-weighted", "misstated paper constants", "seed ignored"}

@@ -82,3 +82,18 @@ def test_reference_passes_with_one_line(check, fn, capsys):
 ])
 def test_wrong_answers_fail(check, wrong):
     assert_fails(check, wrong)
+
+
+# ------------------------------------------------------------------ witnesses: named mistakes get their hint
+def surrogate_on_policy(logprobs, old_logprobs, advantages):  # as if the samples came from the new policy
+    return (logprobs * advantages).mean()
+
+
+def surrogate_unweighted_probs(logprobs, old_logprobs, advantages):
+    return (torch.exp(logprobs) * advantages).mean()
+
+
+@pytest.mark.parametrize("wrong, hint", [(surrogate_on_policy, "came from the old one"),
+                                         (surrogate_unweighted_probs, "divide by pi_old")])
+def test_surrogate_without_importance_weights_is_named(wrong, hint):
+    assert_fails(check_surrogate_objective, wrong, hint=hint)

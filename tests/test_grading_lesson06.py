@@ -102,3 +102,18 @@ def test_reference_passes_with_one_line(check, fn, capsys):
 ])
 def test_wrong_answers_fail(check, wrong):
     assert_fails(check, wrong)
+
+
+# ------------------------------------------------------------------ witnesses: misstated constants get their hint
+def beta_thresholds_two(beta, kl, kl_target):  # kl_target / 2 and 2 * kl_target
+    return beta / 2 if kl < kl_target / 2 else beta * 2 if kl > kl_target * 2 else beta
+
+
+def beta_factor_one_and_a_half(beta, kl, kl_target):  # right thresholds, beta scaled by 1.5
+    return beta / 1.5 if kl < kl_target / 1.5 else beta * 1.5 if kl > kl_target * 1.5 else beta
+
+
+@pytest.mark.parametrize("wrong, hint", [(beta_thresholds_two, "thresholds kl_target / 2 and 2 * kl_target"),
+                                         (beta_factor_one_and_a_half, "multiplies/divides beta by 1.5")])
+def test_misstated_adaptive_kl_constants_are_named(wrong, hint):
+    assert_fails(check_adaptive_kl_beta, wrong, hint=hint)

@@ -215,6 +215,21 @@ def entropy_one_temperature(logits, temperatures, n_samples, seed):
     return {temperatures[1]: entropy_sampled(logits, temperatures, n_samples, seed)[temperatures[1]]}
 
 
+def entropy_global_rng(logits, temperatures, n_samples, seed):
+    """Draws from torch's global RNG, ignoring ``seed``: every call measures other samples."""
+    out = {}
+    for temp in temperatures:
+        logp = torch.log_softmax(logits / temp, -1)
+        y = torch.multinomial(logp.exp(), n_samples, replacement=True)
+        out[temp] = (float(-logp[y].mean()), float(logp[y].std()))
+    return out
+
+
+def entropy_constant_seed(logits, temperatures, n_samples, seed):
+    """Reseeds with a constant, ignoring ``seed``: every seed measures the same samples."""
+    return entropy_sampled(logits, temperatures, n_samples, 0)
+
+
 # -----------------------------------------------------------------------------------------------
 
 RIGHT = [(check_gather_token_logprobs, gather_ok), (check_gather_token_logprobs, gather_ok_where),
@@ -252,6 +267,8 @@ WRONG = [
     (check_entropy_by_sampling, with_(entropy_sampled, uniform=True), "4 standard errors"),
     (check_entropy_by_sampling, entropy_exact_not_sampled, "std 0"),
     (check_entropy_by_sampling, entropy_one_temperature, "a key per temperature"),
+    (check_entropy_by_sampling, entropy_global_rng, "the global RNG"),
+    (check_entropy_by_sampling, entropy_constant_seed, "not a constant"),
 ]
 
 

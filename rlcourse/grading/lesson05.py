@@ -12,7 +12,8 @@ import torch
 
 from rlcourse import losses
 from rlcourse.classic import trpo
-from rlcourse.grading._core import assert_close, call_unmutated, fail, gradient_flowing, passed, references, to_numpy
+from rlcourse.grading._core import (assert_close, call_unmutated, fail, fail_if_mistake, gradient_flowing, passed,
+                                    references, to_numpy)
 
 __all__ = ["check_surrogate_objective", "check_conjugate_gradient", "check_natural_step", "check_cg_residual_curve"]
 
@@ -39,6 +40,14 @@ def check_surrogate_objective(fn) -> None:
         logp = logp.clone().requires_grad_(True)
         got = call_unmutated(name, case, fn, logp, old, adv)
         want = (losses.importance_ratio(logp.detach(), old) * adv).mean()
+        got_value = got.detach() if hasattr(got, "detach") else got
+        fail_if_mistake(name, case, want, got_value, (logp.detach() * adv).mean(),
+                        "that is mean(logprobs * A), the on-policy (REINFORCE) surrogate, which assumes the "
+                        "samples came from the new policy; they came from the old one, so weight each by "
+                        "pi_theta / pi_old = exp(logprobs - old_logprobs)")
+        fail_if_mistake(name, case, want, got_value, (torch.exp(logp.detach()) * adv).mean(),
+                        "that is mean(pi_theta * A): the samples were drawn by the old policy, so divide by "
+                        "pi_old: ratio = exp(logprobs - old_logprobs)")
         assert_close(name, case, want, got.detach() if hasattr(got, "detach") else got,
                      hint="ratio = exp(logprobs - old_logprobs) (a difference of logs: exp(-800) is 0 in floating "
                           "point), then the mean of ratio * advantages (as they are: not normalised)")

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from rlcourse import losses
-from rlcourse.grading._core import assert_close, call_unmutated, fail, gradient_flowing, passed, references
+from rlcourse.grading._core import (assert_close, call_unmutated, fail, fail_if_mistake, gradient_flowing, passed,
+                                    references)
 
 __all__ = ["check_ppo_clip_loss", "check_clipped_value_loss", "check_adaptive_kl_beta", "check_update_kl"]
 
@@ -104,6 +105,16 @@ def check_clipped_value_loss(fn) -> None:
     passed(name, len(cases))
 
 
+def _beta_rule(beta, kl, target, threshold: float, factor: float) -> float:
+    """The adaptive-KL update with other constants (a wrong answer's): ``beta / factor`` if
+    ``kl < target / threshold``, ``beta * factor`` if ``kl > target * threshold``, else ``beta``."""
+    if kl < target / threshold:
+        return beta / factor
+    if kl > target * threshold:
+        return beta * factor
+    return beta
+
+
 @references("rlcourse.losses:adaptive_kl_beta", "rlcourse.losses.policy_gradient:adaptive_kl_beta")
 def check_adaptive_kl_beta(fn) -> None:
     """``fn(beta, kl, kl_target) -> new beta``: halve below target/1.5, double above target*1.5."""
@@ -119,6 +130,14 @@ def check_adaptive_kl_beta(fn) -> None:
             label += " (exactly on a threshold: the rule's inequalities are strict)"
         got = fn(beta, kl, target)
         want = losses.adaptive_kl_beta(beta, kl, target)
+        fail_if_mistake(name, label, want, got, _beta_rule(beta, kl, target, 2.0, 2.0),
+                        "that uses thresholds kl_target / 2 and 2 * kl_target; Schulman et al. 2017 "
+                        "(arXiv:1707.06347, section 4) halve beta below kl_target / 1.5 and double it above "
+                        "1.5 * kl_target")
+        fail_if_mistake(name, label, want, got, _beta_rule(beta, kl, target, 1.5, 1.5),
+                        "that multiplies/divides beta by 1.5; the thresholds are kl_target / 1.5 and "
+                        "1.5 * kl_target, but the update halves or doubles beta (Schulman et al. 2017, "
+                        "arXiv:1707.06347)")
         assert_close(name, label, want, got,
                      hint="if kl < kl_target / 1.5: beta / 2; elif kl > kl_target * 1.5: beta * 2; else unchanged "
                           "(strict inequalities; a KL above target means the penalty was too weak)")

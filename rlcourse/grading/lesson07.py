@@ -193,7 +193,7 @@ def _diagnose_sequence(model, prompt_ids, prompt_mask, completion_ids, completio
     return None
 
 
-@references("rlcourse.kl:entropy")
+@references("rlcourse.kl:entropy", "rlcourse.losses.policy_gradient:entropy_bonus")
 def check_token_entropy(fn) -> None:
     """``fn(logits, temperature) -> (B, T)``: entropy of ``softmax(logits / temperature)`` per position."""
     __tracebackhide__ = True
@@ -271,5 +271,24 @@ def check_entropy_by_sampling(fn) -> None:
             fail(name, case, "entropies rising with the temperature", measured,
                  "a higher temperature flattens the distribution, so its entropy is larger")
         n += 1
+    n += _seed_is_used(name, fn, logits, temperatures, n_samples)
     passed(name, n)
+
+
+def _seed_is_used(name, fn, logits, temperatures, n_samples) -> int:
+    """A sampled measurement must depend on ``seed`` and on nothing else random: the same seed
+    twice gives the same numbers (no draw from the global RNG), two seeds give different ones (no
+    generator reseeded with a constant). Returns the number of cases run."""
+    __tracebackhide__ = True
+    runs = {seed: [call_unmutated(name, f"seed={seed}", fn, logits, list(temperatures), n_samples, seed)
+                   for _ in range(2 if seed == 1 else 1)] for seed in (1, 2)}
+    means = {seed: [[float(to_numpy(got[t][0])) for t in temperatures] for got in outs] for seed, outs in runs.items()}
+    if means[1][0] != means[1][1]:
+        fail(name, "the same seed (1) twice", means[1][0], means[1][1],
+             "draw with a torch.Generator seeded with `seed` (g = torch.Generator().manual_seed(seed); "
+             "torch.multinomial(..., generator=g)): the global RNG gives another answer at every call")
+    if means[1][0] == means[2][0]:
+        fail(name, "seeds 1 and 2", "two different measurements", means[2][0],
+             "seed the generator with the `seed` argument, not a constant: another seed must draw other samples")
+    return 2
 
