@@ -155,3 +155,12 @@ def test_plausible_mistakes_fail(check, wrong):
 def test_returning_none_gets_a_hint():
     with pytest.raises(CheckFailed, match="return"):
         check_discounted_return(lambda rewards, gamma: None)
+
+
+# ------------------------------------------------------------------ witnesses: named mistakes get their hint
+def return_discounts_first_reward(rewards, gamma):  # gamma^(t+1) r_t
+    return float(sum(gamma ** (t + 1) * r for t, r in enumerate(np.asarray(rewards, dtype=float))))
+
+
+def test_discounting_the_first_reward_is_named():
+    assert_fails(check_discounted_return, return_discounts_first_reward, hint="gamma * G")

@@ -10,6 +10,7 @@ from rlcourse.classic import baselines
 from rlcourse.grading import (check_batch_mean_baseline, check_importance_weight, check_moving_average_baselines,
                               check_reward_to_go, check_value_baseline)
 from rlcourse.grading._core import CheckFailed
+from grading_asserts import assert_fails
 
 # ------------------------------------------------------------------ reward-to-go
 def rtg_ok(rewards, gamma):
@@ -189,3 +190,13 @@ def test_importance_weight_check(capsys):
 def test_importance_weight_check_catches(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         check_importance_weight(wrong)
+
+
+# ------------------------------------------------------------------ witnesses: named mistakes get their hint
+def rtg_whole_return_everywhere(rewards, gamma):  # sum_{i=0}^{T-1} gamma^i r_i written for every t
+    whole = sum(gamma ** i * r for i, r in enumerate(np.asarray(rewards, dtype=float)))
+    return np.full(len(rewards), whole)
+
+
+def test_whole_return_at_every_step_is_named():
+    assert_fails(check_reward_to_go, rtg_whole_return_everywhere, hint="G_t starts at i = t")

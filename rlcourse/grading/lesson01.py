@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from rlcourse import returns, tabular
-from rlcourse.grading._core import assert_close, call_unmutated, fail, passed, references
+from rlcourse.grading._core import assert_close, call_unmutated, fail, fail_if_mistake, passed, references
 
 __all__ = ["check_discounted_return", "check_bellman_expectation_backup", "check_value_iteration",
            "check_q_learning_update", "check_greedy_policy", "check_q_learning_run"]
@@ -28,7 +28,8 @@ def _mdp(P, R) -> tabular.TabularMDP:
     return tabular.TabularMDP(P=P, R=np.asarray(R, float), terminal=np.zeros(n, bool), start=np.full(n, 1 / n))
 
 
-@references("rlcourse.returns:discounted_return")
+@references("rlcourse.returns:discounted_return", "rlcourse.returns:reward_to_go",
+            "rlcourse.losses.policy_gradient:psi_total_return")
 def check_discounted_return(fn) -> None:
     """``fn(rewards, gamma) -> float``: the discounted return ``sum_t gamma^t r_t``."""
     __tracebackhide__ = True
@@ -46,13 +47,17 @@ def check_discounted_return(fn) -> None:
     for case, rewards, gamma in cases:
         label = f"{case} (rewards={np.round(rewards[:8], 3).tolist()}{'...' if len(rewards) > 8 else ''}, gamma={gamma:.4g})"
         got = call_unmutated(name, label, fn, rewards, gamma)
-        assert_close(name, label, returns.discounted_return(rewards, gamma), got, rtol=1e-9, atol=1e-9,
+        want = returns.discounted_return(rewards, gamma)
+        fail_if_mistake(name, label, want, got, gamma * want,
+                        "that is gamma * G: every reward discounted once too often (gamma^(t+1) r_t); "
+                        "the first reward counts in full, G = sum_{t=0}^{T-1} gamma^t r_t")
+        assert_close(name, label, want, got, rtol=1e-9, atol=1e-9,
                      hint="the first reward is not discounted: G = r_0 + gamma*r_1 + gamma^2*r_2 + ...; "
                           "compute in float64 (float32 drifts on long episodes)")
     passed(name, len(cases))
 
 
-@references("rlcourse.tabular:bellman_expectation_backup")
+@references("rlcourse.tabular:bellman_expectation_backup", "rlcourse.tabular:action_values")
 def check_bellman_expectation_backup(fn) -> None:
     """``fn(V, P, R, policy, gamma) -> V_new``: one sweep of ``V <- T^pi V``."""
     __tracebackhide__ = True
@@ -79,7 +84,8 @@ def check_bellman_expectation_backup(fn) -> None:
     passed(name, n_cases)
 
 
-@references("rlcourse.tabular:value_iteration", "rlcourse.tabular:bellman_optimality_backup")
+@references("rlcourse.tabular:value_iteration", "rlcourse.tabular:bellman_optimality_backup",
+            "rlcourse.tabular:policy_iteration")
 def check_value_iteration(fn) -> None:
     """``fn(P, R, gamma, tol) -> V``: the optimal values ``V*`` by value iteration."""
     __tracebackhide__ = True
@@ -142,6 +148,7 @@ def check_q_learning_update(fn) -> None:
     passed(name, n_cases)
 
 
+@references("rlcourse.tabular:greedy_policy")
 def check_greedy_policy(fn) -> None:
     """``fn(Q) -> actions``: for each state, an action with the largest Q-value."""
     __tracebackhide__ = True

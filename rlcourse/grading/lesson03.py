@@ -19,7 +19,8 @@ __all__ = ["check_reward_to_go", "check_batch_mean_baseline", "check_value_basel
            "check_moving_average_baselines", "check_importance_weight", "check_baseline_variance"]
 
 
-@references("rlcourse.returns:reward_to_go", "rlcourse.returns:discounted_return")
+@references("rlcourse.returns:reward_to_go", "rlcourse.returns:discounted_return",
+            "rlcourse.losses.policy_gradient:psi_reward_to_go")
 def check_reward_to_go(fn) -> None:
     """``fn(rewards, gamma) -> array``: ``G_t = sum_{k >= t} gamma^(k-t) r_k`` for one episode."""
     __tracebackhide__ = True
@@ -38,6 +39,10 @@ def check_reward_to_go(fn) -> None:
         got = call_unmutated(name, label, fn, rewards, gamma)
         expected = returns.reward_to_go(rewards[None], gamma)[0]
         prefix = np.array([returns.discounted_return(rewards[:t + 1], gamma) for t in range(len(rewards))])
+        whole = np.full(len(rewards), returns.discounted_return(rewards, gamma))
+        fail_if_mistake(name, label, expected, got, whole,
+                        "that is the whole episode's return sum_{i=0}^{T-1} gamma^i r_i written at every t; "
+                        "G_t starts at i = t: G_t = sum_{i=t}^{T-1} gamma^(i-t) r_i")
         fail_if_mistake(name, label, expected, got, prefix,
                         "that sums the rewards from the start up to t; reward-to-go sums from t to the end "
                         "(an action cannot change rewards that came before it)")
@@ -58,7 +63,7 @@ def _padded_batch(rng, N, T):
     return values, mask
 
 
-@references("rlcourse.classic.baselines:batch_mean_baseline")
+@references("rlcourse.classic.baselines:batch_mean_baseline", "rlcourse.losses.grpo:batch_mean_advantages")
 def check_batch_mean_baseline(fn) -> None:
     """``fn(returns, mask) -> float``: the mean of ``returns`` over the real (unpadded) steps."""
     __tracebackhide__ = True
@@ -115,7 +120,7 @@ def check_value_baseline(fn) -> None:
     passed(name, n_cases)
 
 
-@references("rlcourse.classic.baselines:moving_average_baselines")
+@references("rlcourse.classic.baselines:moving_average_baselines", "rlcourse.losses.grpo:moving_average_baseline")
 def check_moving_average_baselines(fn) -> None:
     """``fn(batch_means, decay) -> array``: the baseline for each batch, from *earlier* batches only."""
     __tracebackhide__ = True

@@ -100,7 +100,7 @@ def check_n_step_returns(fn) -> None:
     passed(name, count)
 
 
-@references("rlcourse.returns:gae")
+@references("rlcourse.returns:gae", "rlcourse.returns:gae_from_n_step")
 def check_gae(fn) -> None:
     """``fn(rewards, values, next_values, terminated, dones, gamma, lam) -> advantages`` (1-D arrays)."""
     __tracebackhide__ = True
