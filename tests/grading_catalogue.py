@@ -256,6 +256,12 @@ def adaptive_beta_factor_one_and_a_half(beta, kl, kl_target):
     return beta / 1.5 if kl < kl_target / 1.5 else beta * 1.5 if kl > kl_target * 1.5 else beta
 
 
+# ------------------------------------------------------------------ padding on one side only
+def gather_assumes_right_padding(logits, tokens, mask, temperature=1.0):
+    taken = torch.log_softmax(logits / temperature, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return taken * (torch.arange(mask.shape[-1]) < mask.sum(-1, keepdim=True))
+
+
 # ------------------------------------------------------------------ seed ignored
 def _entropy_sampled(logits, temperatures, n_samples, generator):
     out = {}
@@ -309,6 +315,7 @@ CATALOGUE = [
     ("off-policy samples not importance-weighted", "check_surrogate_objective", surrogate_on_policy),
     ("misstated paper constants", "check_adaptive_kl_beta", adaptive_beta_thresholds_two),
     ("misstated paper constants", "check_adaptive_kl_beta", adaptive_beta_factor_one_and_a_half),
+    ("padding on one side only", "check_gather_token_logprobs", gather_assumes_right_padding),
     ("seed ignored", "check_entropy_by_sampling", entropy_global_rng),
     ("seed ignored", "check_entropy_by_sampling", entropy_constant_seed),
 ]
@@ -341,4 +348,5 @@ if __name__ == "__main__":
 FAMILIES = {"extreme magnitudes", "integer inputs", "stopped before convergence", "float32 drift on long episodes", "one parameter value everywhere",
             "structural edge cases", "padding holding non-zero values", "gradients that do not flow",
             "inputs modified in place", "ratio regions beyond those sampled", "off-by-one in returns",
-            "off-policy samples not importance-weighted", "misstated paper constants", "seed ignored"}
+            "off-policy samples not importance-weighted", "misstated paper constants", "seed ignored",
+            "padding on one side only"}

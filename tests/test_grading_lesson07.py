@@ -215,6 +215,12 @@ def entropy_one_temperature(logits, temperatures, n_samples, seed):
     return {temperatures[1]: entropy_sampled(logits, temperatures, n_samples, seed)[temperatures[1]]}
 
 
+def gather_assumes_right_padding(logits, tokens, mask, temperature=1.0):
+    """Keeps the first mask.sum() positions: right for padding after EOS, wrong for left padding."""
+    taken = torch.log_softmax(logits / temperature, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return taken * (torch.arange(mask.shape[-1]) < mask.sum(-1, keepdim=True))
+
+
 def entropy_global_rng(logits, temperatures, n_samples, seed):
     """Draws from torch's global RNG, ignoring ``seed``: every call measures other samples."""
     out = {}
@@ -268,6 +274,7 @@ WRONG = [
     (check_entropy_by_sampling, entropy_exact_not_sampled, "std 0"),
     (check_entropy_by_sampling, entropy_one_temperature, "a key per temperature"),
     (check_entropy_by_sampling, entropy_global_rng, "the global RNG"),
+    (check_gather_token_logprobs, gather_assumes_right_padding, "padding can sit on either side"),
     (check_entropy_by_sampling, entropy_constant_seed, "not a constant"),
 ]
 

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from rlcourse import kl
-from rlcourse.grading._core import assert_close, call_unmutated, fail, gradient_flowing, passed, references, to_numpy
+from rlcourse.grading._core import (assert_close, call_unmutated, fail, fail_if_mistake, gradient_flowing, passed,
+                                    references, to_numpy)
 
 __all__ = ["check_gather_token_logprobs", "check_sequence_logprob", "check_token_entropy",
            "check_entropy_by_sampling"]
@@ -72,9 +73,17 @@ def check_gather_token_logprobs(fn) -> None:
     logits = 2 * torch.randn(2, 5, 6, generator=gen)
     cases.append(("a boolean mask, padding after EOS", logits, torch.randint(0, 6, (2, 5), generator=gen),
                   _random_mask(gen, 2, 5).bool() | torch.tensor([[True], [False]]), 0.8))
+    logits = 2 * torch.randn(3, 6, 8, generator=gen)
+    cases.append(("a float mask with left padding (0s before the first real token, not after EOS)", logits,
+                  torch.randint(0, 8, (3, 6), generator=gen), _random_mask(gen, 3, 6).flip(-1).double(), 1.0))
     for case, logits, tokens, mask, temp in cases:
         got = call_unmutated(name, case, fn, logits, tokens, mask, temp)
         expected = token_logprobs_from_logits(logits, tokens, temp) * mask
+        lengths = mask.sum(-1, keepdim=True)
+        right_padded = token_logprobs_from_logits(logits, tokens, temp) * (torch.arange(mask.shape[-1]) < lengths)
+        fail_if_mistake(name, case, expected, _grad_free(got), right_padded,
+                        "that assumes the padding comes last (a prefix of mask.sum() real tokens); padding "
+                        "can sit on either side: use the mask itself, position by position")
         hint = _GATHER_HINT
         got_np = to_numpy(_grad_free(got)) if got is not None else None
         if got_np is not None and got_np.shape == tuple(mask.shape):
