@@ -272,6 +272,32 @@ def _entropy_sampled(logits, temperatures, n_samples, generator):
     return out
 
 
+def _q_learning_run(env, episodes, alpha, gamma, epsilon, seed, rng):
+    from rlcourse import tabular
+
+    Q = np.zeros((env.observation_space.n, env.action_space.n))
+    env.reset(seed=seed)
+    for _ in range(episodes):
+        s, _ = env.reset()
+        for _ in range(100):
+            ties = np.flatnonzero(Q[s] == Q[s].max())
+            a = int(rng.integers(4)) if rng.random() < epsilon else int(rng.choice(ties))
+            s_next, r, terminated, truncated, _ = env.step(a)
+            Q = tabular.q_learning_update(Q, s, a, r, s_next, terminated, alpha, gamma)
+            s = s_next
+            if terminated or truncated:
+                break
+    return Q
+
+
+def q_run_unseeded(env, episodes, alpha, gamma, epsilon, seed):
+    return _q_learning_run(env, episodes, alpha, gamma, epsilon, seed, np.random.default_rng())
+
+
+def q_run_constant_seed(env, episodes, alpha, gamma, epsilon, seed):
+    return _q_learning_run(env, episodes, alpha, gamma, epsilon, 0, np.random.default_rng(0))
+
+
 def entropy_global_rng(logits, temperatures, n_samples, seed):
     return _entropy_sampled(logits, temperatures, n_samples, None)
 
@@ -316,6 +342,8 @@ CATALOGUE = [
     ("misstated paper constants", "check_adaptive_kl_beta", adaptive_beta_thresholds_two),
     ("misstated paper constants", "check_adaptive_kl_beta", adaptive_beta_factor_one_and_a_half),
     ("padding on one side only", "check_gather_token_logprobs", gather_assumes_right_padding),
+    ("seed ignored", "check_q_learning_run", q_run_unseeded),
+    ("seed ignored", "check_q_learning_run", q_run_constant_seed),
     ("seed ignored", "check_entropy_by_sampling", entropy_global_rng),
     ("seed ignored", "check_entropy_by_sampling", entropy_constant_seed),
 ]

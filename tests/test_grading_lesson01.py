@@ -5,7 +5,7 @@ import pytest
 from grading_asserts import assert_fails, assert_passes
 from rlcourse import returns, tabular
 from rlcourse.grading import (CheckFailed, check_bellman_expectation_backup, check_discounted_return,
-                              check_greedy_policy, check_q_learning_update, check_value_iteration)
+                              check_greedy_policy, check_q_learning_run, check_q_learning_update, check_value_iteration)
 from rlcourse.grading.lesson01 import _mdp
 
 
@@ -164,3 +164,36 @@ def return_discounts_first_reward(rewards, gamma):  # gamma^(t+1) r_t
 
 def test_discounting_the_first_reward_is_named():
     assert_fails(check_discounted_return, return_discounts_first_reward, hint="gamma * G")
+
+
+def _q_learning_run(env, episodes, alpha, gamma, epsilon, seed, rng):
+    Q = np.zeros((env.observation_space.n, env.action_space.n))
+    env.reset(seed=seed)
+    for _ in range(episodes):
+        s, _ = env.reset()
+        for _ in range(100):
+            ties = np.flatnonzero(Q[s] == Q[s].max())
+            a = int(rng.integers(4)) if rng.random() < epsilon else int(rng.choice(ties))
+            s_next, r, terminated, truncated, _ = env.step(a)
+            Q = tabular.q_learning_update(Q, s, a, r, s_next, terminated, alpha, gamma)
+            s = s_next
+            if terminated or truncated:
+                break
+    return Q
+
+
+def q_run_global_rng(env, episodes, alpha, gamma, epsilon, seed):  # an unseeded generator: seed ignored
+    return _q_learning_run(env, episodes, alpha, gamma, epsilon, seed, np.random.default_rng())
+
+
+def q_run_constant_seed(env, episodes, alpha, gamma, epsilon, seed):  # reseeded with 0 whatever seed says
+    return _q_learning_run(env, episodes, alpha, gamma, epsilon, 0, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("wrong, hint", [(q_run_global_rng, "the global RNG"), (q_run_constant_seed, "not a constant")])
+def test_q_learning_run_must_follow_its_seed(wrong, hint):
+    assert_fails(check_q_learning_run, wrong, hint=hint)
+
+
+def test_q_learning_run_right_answer_passes(capsys):
+    assert_passes(check_q_learning_run, lambda *a: _q_learning_run(*a, np.random.default_rng(a[-1])), capsys)

@@ -194,7 +194,8 @@ def check_q_learning_run(fn) -> None:
     from rlcourse.envs import GridWorld
 
     name = "check_q_learning_run"
-    n = 0
+    n, tables = 1, {}
+    tables[0.9, 0] = _q_learning_reproducible(name, fn, GridWorld)
     for gamma in (0.9, 0.5):
         for seed in (0, 1):
             env = GridWorld("maze2x3")
@@ -215,5 +216,21 @@ def check_q_learning_run(fn) -> None:
                      f"suboptimal actions in states {wrong.tolist()}; Q=\n{np.round(Q, 2)}",
                      "each episode: reset, then until terminated or 100 steps: with probability epsilon a "
                      "random action, else argmax Q[s]; step; Q = q_learning_update(...) with gamma; s = s_next")
+            tables[gamma, seed] = Q
             n += 1
-    passed(name, n)
+    if np.array_equal(tables[0.9, 0], tables[0.9, 1]):
+        fail(name, "gamma=0.9, seeds 0 and 1", "two different tables", np.round(tables[0.9, 1], 3),
+             "seed the generator with the `seed` argument, not a constant: another seed must explore differently")
+    passed(name, n + 1)
+
+
+def _q_learning_reproducible(name, fn, GridWorld) -> np.ndarray:
+    """Same seed twice: the same table (no unseeded draws); judged before convergence, which an
+    unseeded run may miss by chance. Returns the table of gamma=0.9, seed=0."""
+    __tracebackhide__ = True
+    first, again = (np.asarray(fn(GridWorld("maze2x3"), 300, 0.5, 0.9, 0.2, 0), dtype=float) for _ in range(2))
+    if not np.array_equal(first, again):
+        fail(name, "gamma=0.9, seed=0 run twice", np.round(first, 3), np.round(again, 3),
+             "draw every random choice from np.random.default_rng(seed) and reset the env with seed=seed: "
+             "the global RNG gives another table at every call")
+    return first
