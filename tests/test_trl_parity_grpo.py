@@ -266,9 +266,12 @@ def test_frozen_copy_of_a_trl_prepared_model_runs_its_own_weights(setup):
     assert not reference.training and not any(p.requires_grad for p in reference.parameters())
 
 
-def test_bridge_max_steps_samples_as_many_batches_in_trl_as_ours(tmp_path):
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_bridge_max_steps_samples_as_many_batches_in_trl_as_ours(tmp_path, accumulation):
     """TRL counts optimiser steps: with num_iterations=2 our max_steps=2 (2 batches, 4 optimiser
-    steps) must make TRL draw 2 generation batches too. Counted by TRL's own calls of the reward."""
+    steps) must make TRL draw 2 generation batches too, of our batch size, also when the batch is
+    accumulated over 2 slices (steps_per_generation = gradient_accumulation_steps, TRL's default).
+    Counted by TRL's own calls of the reward."""
     from rlcourse.lm import AdditionTask
     from rlcourse.lm.policy_gradient import PolicyGradientConfig
     from rlcourse.lm.trl_bridge import grpo_config_kwargs
@@ -286,6 +289,8 @@ def test_bridge_max_steps_samples_as_many_batches_in_trl_as_ours(tmp_path):
                                 max_completion_length=2)
     kwargs = grpo_config_kwargs(ours, AdditionTask())
     assert kwargs["max_steps"] == 4
+    kwargs.update(per_device_train_batch_size=ours.per_device_train_batch_size // accumulation,
+                  gradient_accumulation_steps=accumulation)
     data = Dataset.from_dict({"prompt": [p for p in PROMPTS for _ in range(4)]})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

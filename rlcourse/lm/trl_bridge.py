@@ -64,13 +64,28 @@ def grpo_config_kwargs(config, task=None) -> dict:
     Every field that TRL shares is passed under its own (identical) name; ``max_completion_length``
     ``None`` (ours: the task's ``max_new_tokens``) is resolved with ``task``. Our trainer keeps the
     learning rate constant, so ``lr_scheduler_type="constant"`` is added (TRL's default decays it
-    linearly). Our ``max_steps`` counts *sampling* steps, each followed by ``num_iterations``
-    optimiser steps; TRL's counts optimiser steps (and samples once every ``steps_per_generation *
-    num_iterations`` of them), so TRL gets ``max_steps * num_iterations``: with TRL's default
-    ``steps_per_generation`` (``gradient_accumulation_steps``, 1) both then sample ``max_steps``
-    batches and take ``max_steps * num_iterations`` optimiser steps. Output, device and logging options (``output_dir``, ``use_cpu``...) are the caller's.
+    linearly). Output, device and logging options (``output_dir``, ``use_cpu``...) are the caller's.
     A field TRL cannot express (see :data:`OURS_ONLY`) at a non-GRPO value raises ``ValueError``:
     GRPOTrainer would silently run a different algorithm.
+
+    ``max_steps``: ours counts *sampling* steps, each followed by ``num_iterations`` optimiser steps
+    on the whole batch; TRL's counts optimiser steps. In TRL 1.16's GRPOTrainer (``_prepare_inputs``)
+    a counter of micro-batches ``s`` (one per ``training_step``) decides: it generates a batch of
+    ``per_device_train_batch_size * steps_per_generation`` completions (per process) whenever
+    ``s % (steps_per_generation * num_iterations) == 0``, trains on slice ``s % steps_per_generation``
+    of it, and takes an optimiser step every ``gradient_accumulation_steps`` micro-batches. Over
+    ``S`` optimiser steps it therefore generates
+
+        ``S * gradient_accumulation_steps / (steps_per_generation * num_iterations)`` batches.
+
+    With ``steps_per_generation = gradient_accumulation_steps`` (TRL's default when neither it nor
+    ``generation_batch_size`` is set; both are 1 unless the caller adds them) that is ``S /
+    num_iterations``, so TRL gets ``max_steps * num_iterations``: it samples ``max_steps`` batches,
+    as ours does, and takes ``num_iterations`` optimiser steps on each, every one over the whole
+    generation batch (accumulated over ``gradient_accumulation_steps`` slices; to keep our batch size
+    then, divide ``per_device_train_batch_size`` by it). A ``steps_per_generation`` other than
+    ``gradient_accumulation_steps`` is a different algorithm (several optimiser steps on slices of
+    one batch, PPO's minibatches), which ours does not run.
     """
     from dataclasses import fields
 
@@ -89,7 +104,7 @@ def grpo_config_kwargs(config, task=None) -> dict:
         kwargs["max_completion_length"] = task.max_new_tokens
     kwargs["lr_scheduler_type"] = "constant"
     # Our max_steps counts sampling steps, each followed by num_iterations optimiser steps; TRL's
-    # counts optimiser steps and samples once every steps_per_generation * num_iterations of them.
+    # counts optimiser steps and samples once every num_iterations of them (see the docstring).
     kwargs["max_steps"] = config.max_steps * config.num_iterations
     return kwargs
 
