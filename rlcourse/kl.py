@@ -35,24 +35,38 @@ __all__ = ["kl_k1", "kl_k2", "kl_k3", "exact_kl", "entropy", "KL_ESTIMATORS", "L
            "ESTIMATE_BOUND", "as_mask"]
 
 # A log-ratio between two policies is clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] wherever it is
-# exponentiated (verl clamps k3's log-ratio at 20 too): exp(20) = 4.9e8 is already far beyond any
-# ratio an update should see, while exp(89) overflows float32 to inf, and inf * 0 = nan would
-# poison a whole batch, gradient included. Beyond the bound the exponential is flat, so its
-# gradient is 0. TRL 1.16 clamps no log-ratio: inside the bound the two agree exactly.
+# exponentiated: exp(20) = 4.9e8 is already far beyond any ratio an update should see, while
+# exp(89) overflows float32 to inf, and inf * 0 = nan would poison a whole batch, gradient
+# included. Beyond the bound the exponential is flat, so its gradient is 0. TRL 1.16 clamps no
+# log-ratio: inside the bound the two agree exactly. verl's k3 ("low_var_kl" in
+# verl/trainer/ppo/core_algos.py, kl_penalty_forward) clamps its log-ratio to [-20, 20] as well,
+# on both sides and before the "- log r" term too; kl_k3 clamps only the exponential's argument,
+# and only above (below, r - 1 tends to -1 and stays finite). Without an estimate bound the two
+# therefore differ where |log r| > 20: below, verl's k3 is flat at exp(-20) + 19 (gradient 0) where
+# ours keeps growing as -1 - log r; above, ours is expm1(20) - log r, verl's expm1(20) - 20.
 LOG_RATIO_BOUND = 20.0
 
-# verl (core_algos.kl_penalty, "low_var_kl") and OpenRLHF (compute_approx_kl, every estimator) also
-# clamp the *estimate* itself to [-10, 10]. Pass ``bound=ESTIMATE_BOUND`` to an estimator to follow
-# them; the default (no bound) is TRL's. A clamped token contributes no gradient, so a token whose
-# k3 exceeds 10 nats stops being pulled back toward the reference: the bound trades the penalty's
-# strength on outliers for stability.
+# Two conventions for the *estimate*, read in their sources (verl at b178a3c, OpenRLHF at 3c3be62):
+# * verl clamps k3 (kl_loss_type / kl_penalty "low_var_kl" or "k3") to [-10, 10] after the
+#   log-ratio clamp above; its k1 ("kl"), k2 ("mse") and "abs" are not clamped;
+# * OpenRLHF (openrlhf/models/utils.py, compute_approx_kl) clamps every estimator, k1, k2 and k3,
+#   to [-10, 10], and clamps no log-ratio.
+# Pass ``bound=ESTIMATE_BOUND`` to an estimator to follow them; the default (no bound) is TRL's.
+# With it, kl_k3 equals verl's low_var_kl everywhere (beyond |log r| = 20 both give 10) and
+# kl_k1 / kl_k2 / kl_k3 equal OpenRLHF's k1 / k2 / k3 (tests/test_maths_holes.py restates both
+# rules). A clamped token contributes no gradient, so a token whose estimate exceeds 10 nats stops
+# being pulled back toward the reference: the bound trades the penalty's strength on outliers for
+# stability.
 ESTIMATE_BOUND = 10.0
 
 
-def as_mask(mask, like: torch.Tensor, name: str = "mask") -> torch.Tensor | None:
+def as_mask(mask, like: torch.Tensor, name: str = "mask", shape_of: str | None = None) -> torch.Tensor | None:
     """``mask`` (0/1 or bool; tensor, array or list) as a bool tensor on ``like``'s device; None stays None.
 
-    It must have ``like``'s shape: broadcasting a mask would silently mean something else.
+    The package's one check of a mask or flag array (losses, returns, KL estimators, log-probs):
+    it must have ``like``'s shape (broadcasting a mask would silently mean something else) and hold
+    only 0 and 1 (a 2, a 0.5 or a NaN is an error, never a weight). ``name`` and ``shape_of`` (what
+    ``like`` is, e.g. ``"rewards"``) only word the error.
     """
     if mask is None:
         return None
@@ -61,7 +75,8 @@ def as_mask(mask, like: torch.Tensor, name: str = "mask") -> torch.Tensor | None
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"{name} must be a tensor, array or list of 0/1, got {type(mask).__name__}") from None
     if tuple(m.shape) != tuple(like.shape):
-        raise ValueError(f"{name} must have shape {tuple(like.shape)}, got {tuple(m.shape)}")
+        what = f"the shape of {shape_of} " if shape_of else "shape "
+        raise ValueError(f"{name} must have {what}{tuple(like.shape)}, got {tuple(m.shape)}")
     if m.dtype != torch.bool:
         if not ((m == 0) | (m == 1)).all():
             raise ValueError(f"{name} must hold only 0/1 or booleans")

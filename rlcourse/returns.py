@@ -37,8 +37,12 @@ detached from any autograd graph: returns and advantages are targets, never diff
 """
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 import torch
+
+from rlcourse.kl import as_mask
 
 
 def discounted_return(rewards, gamma: float) -> float:
@@ -80,14 +84,12 @@ def _like(x, name: str, ref: torch.Tensor) -> torch.Tensor:
     return x.to(device=ref.device, dtype=ref.dtype)
 
 
-def _flags(x, name: str, ref: torch.Tensor) -> torch.Tensor | None:
-    """A 0/1 (or bool) flag array of ``ref``'s shape as a bool tensor; None stays None."""
-    if x is None:
-        return None
-    x = _like(x, name, ref)
-    if not ((x == 0) | (x == 1)).all():
-        raise ValueError(f"{name} must hold only 0/1 or booleans")
-    return x.bool()
+def _flags(x, name: str, ref: torch.Tensor, shape_of: str = "rewards") -> torch.Tensor | None:
+    """A 0/1 (or bool) flag array of ``ref``'s shape as a bool tensor; None stays None.
+
+    The package's one mask check, :func:`rlcourse.kl.as_mask` (0 and 1 only, ``ref``'s shape).
+    """
+    return as_mask(x, ref, name, shape_of)
 
 
 def _batch(rewards, gamma, mask):
@@ -99,6 +101,15 @@ def _batch(rewards, gamma, mask):
     m = torch.ones_like(r, dtype=torch.bool) if mask is None else _flags(mask, "mask", r)
     check_finite("rewards", r, m)
     return r, m, restore
+
+
+def check_integer(name: str, value, minimum: int = 1) -> int:
+    """``value`` as a Python int if it is an integer (any ``numbers.Integral``: int, a NumPy integer)
+    of at least ``minimum``; else ``ValueError`` naming ``name``. ``True`` and ``2.0`` are refused:
+    a bool or a float where a count is expected is a bug, not a count."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def check_finite(name: str, x: torch.Tensor, real: torch.Tensor | None, check=torch.isfinite) -> None:
@@ -190,7 +201,7 @@ def discount_weights(mask, gamma: float, dones=None):
     if m_float.ndim != 2:
         raise ValueError(f"mask must have shape (N, T), got {tuple(m_float.shape)}")
     m = _flags(m_float, "mask", m_float)
-    ends = _flags(dones, "dones", m_float) if dones is not None else torch.zeros_like(m)
+    ends = _flags(dones, "dones", m_float, "mask") if dones is not None else torch.zeros_like(m)
     steps = torch.zeros_like(m_float)
     count = torch.zeros_like(m_float[:, 0])
     for t in range(m.shape[1]):
@@ -324,9 +335,7 @@ def n_step_returns(rewards, values, gamma: float, n: int, *, next_values=None, l
     and a truncation ``next_values``, or at the row's end (``last_value``). ``n = 1`` is the TD
     target; ``n >= T`` is the Monte-Carlo return. O(n N T). Returns ``(N, T)``, 0 on masked steps.
     """
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
-    n = int(n)   # a NumPy integer would turn `k == n - 1` into a numpy bool, which torch's `|` refuses
+    n = check_integer("n", n)   # a NumPy integer would make `k == n - 1` a numpy bool, which torch's `|` refuses
     r, v, m, ends, bootstrap, restore = _critic_inputs(
         rewards, values, gamma, next_values=next_values, last_value=last_value, terminated=terminated,
         truncated=truncated, dones=dones, mask=mask)

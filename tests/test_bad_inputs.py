@@ -118,7 +118,7 @@ CASES = [
     ("nan temperature", lambda: logprobs(temperature=nan), ValueError, r"temperature must be a finite number > 0"),
     ("zero temperature", lambda: token_logprobs_from_logits(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), 0.0),
      ValueError, r"temperature"),
-    ("completion mask not 0/1", lambda: logprobs(completion_mask=2 * C_MASK), ValueError, r"completion_mask must hold only 0 and 1"),
+    ("completion mask not 0/1", lambda: logprobs(completion_mask=2 * C_MASK), ValueError, r"completion_mask must hold only 0/1"),
     ("no completion mask", lambda: logprobs(completion_mask=None), ValueError, r"completion_mask is required"),
     # --- trainers: never a silent no-op, never nan parameters
     ("PPO budget below one batch", lambda: train_ppo(total_timesteps=100, progress=False), ValueError,

@@ -129,7 +129,7 @@ def test_bad_temperatures_are_refused(model, temperature):
 
 def test_masks_must_be_zero_or_one_and_of_the_right_shape(model):
     prompt_ids, prompt_mask, completion_ids, completion_mask = random_batch(6)
-    with pytest.raises(ValueError, match="completion_mask must hold only 0 and 1"):
+    with pytest.raises(ValueError, match="completion_mask must hold only 0/1"):
         sequence_logprobs(model, prompt_ids, completion_ids, completion_mask * 2, prompt_mask)
     with pytest.raises(ValueError, match=r"prompt_mask must have shape \(4, 6\)"):
         sequence_logprobs(model, prompt_ids, completion_ids, completion_mask, prompt_mask[:, 1:])

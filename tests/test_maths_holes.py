@@ -207,3 +207,166 @@ def test_a_bf16_reward_head_is_refused_and_a_bf16_body_keeps_a_float32_head():
     got, want = half_body(ids, mask), full(ids, mask)
     assert got.dtype == torch.float32 and torch.allclose(got, want, atol=0.05 * float(want.abs().max()) + 1e-3)
 
+
+
+# ------------------------------------------------------------------------------------------------
+# The same holes one level up: in the trainer, in every function that takes a count or a mask, and
+# in the conventions kl.py cites.
+class _RewardTask:
+    """AdditionTask's prompts, with every reward replaced by ``value`` for the first completion."""
+
+    def __init__(self, value):
+        from rlcourse.lm import AdditionTask
+
+        self.inner, self.value = AdditionTask(), value
+        self.max_new_tokens = self.inner.max_new_tokens
+
+    def prompts(self, n, rng):
+        return self.inner.prompts(n, rng)
+
+    def reward(self, prompts, completions):
+        rewards = self.inner.reward(prompts, completions).clone()
+        rewards[0] = self.value
+        return rewards
+
+
+@pytest.mark.parametrize("bad", [inf, -inf, nan])
+def test_the_trainer_refuses_a_non_finite_reward_by_name(bad):
+    """A log 0 reward (-inf) passed the trainer's NaN-only test; with advantage_estimator='batch_mean'
+    nothing downstream refused it either, and the step's weights became NaN."""
+    from rlcourse.lm.model import make_model
+    from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+    from rlcourse.lm.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    trainer = PolicyGradientTrainer(make_model("tiny", tok, seed=0), tok, _RewardTask(bad),
+                                    PolicyGradientConfig(per_device_train_batch_size=4, num_generations=2,
+                                                         advantage_estimator="batch_mean"))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(ValueError, match=r"task.reward must return one finite reward.*no NaN, no \+-inf"):
+        trainer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+
+
+def test_counts_take_any_integer_and_refuse_floats_and_bools():
+    """Oracle: the same call with a Python int. np.int64(2) raised inside torch (n_step_returns) or
+    was refused as 'not a positive integer' (num_generations)."""
+    from rlcourse.losses import leave_one_out_advantages
+
+    rewards = torch.tensor([1.0, 0.0, 2.0, 2.0, 0.5, 3.0])
+    for n in (np.int64(2), np.int32(2), np.uint8(2)):
+        assert torch.equal(group_advantages(rewards, n), group_advantages(rewards, 2))
+        assert torch.equal(leave_one_out_advantages(rewards, n), leave_one_out_advantages(rewards, 2))
+    r, v = torch.rand(2, 5, dtype=torch.float64), torch.rand(2, 5, dtype=torch.float64)
+    assert torch.equal(n_step_returns(r, v, 0.9, np.uint8(3)), n_step_returns(r, v, 0.9, 3))
+    for bad in (2.0, True, np.float64(2.0), "2", 0):
+        with pytest.raises(ValueError, match="num_generations must be an integer"):
+            group_advantages(rewards, bad)
+        with pytest.raises(ValueError, match="n must be an integer"):
+            n_step_returns(r, v, 0.9, bad)
+    with pytest.raises(ValueError, match="num_generations must be an integer >= 2"):
+        leave_one_out_advantages(rewards, 1)
+
+
+@pytest.mark.parametrize("bad", [2, 0.5, -1, nan])
+def test_every_mask_taking_function_refuses_the_same_bad_mask_the_same_way(bad):
+    """One mask check (kl.as_mask) behind losses, KL estimators, returns and log-probs: each refuses a
+    mask holding 2, 0.5, -1 or NaN with the same message."""
+    from rlcourse import returns
+    from rlcourse.losses import masked_mean, ppo_clip_loss, reinforce_loss
+    from rlcourse.lm.logprobs import sequence_logprobs
+    from rlcourse.lm.model import make_model
+    from rlcourse.lm.tokenizer import build_char_tokenizer
+
+    logp, old, _, mask, adv = _batch()
+    bad_mask = mask.to(torch.float64)
+    bad_mask[1, 1] = bad
+    tok = build_char_tokenizer()
+    model = make_model("tiny", tok, seed=0)
+    ids = torch.randint(4, 20, (4, 5))
+    calls = {"masked_mean": lambda: masked_mean(logp, bad_mask),
+             "reinforce_loss": lambda: reinforce_loss(logp, adv[:, None], bad_mask),
+             "ppo_clip_loss": lambda: ppo_clip_loss(logp, old, adv[:, None].expand_as(logp), bad_mask),
+             "kl_k3": lambda: kl_k3(logp, old, bad_mask),
+             "reward_to_go": lambda: returns.reward_to_go(old, 0.9, mask=bad_mask),
+             "whiten": lambda: returns.whiten(old, mask=bad_mask),
+             "gae": lambda: returns.gae(old, old, 0.9, 0.95, mask=bad_mask),
+             "discount_weights": lambda: returns.discount_weights(bad_mask, 0.9),
+             "sequence_logprobs": lambda: sequence_logprobs(model, ids, ids, bad_mask)}
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="mask must hold only 0/1 or booleans"):
+            call()
+            pytest.fail(name)
+
+
+def test_the_score_matrix_cache_survives_a_pickle_and_misses_after_any_change(monkeypatch):
+    """Keyed on the logits' values: a pickled copy (a grading worker's) reuses the cached Jacobian,
+    where a key of _version / data_ptr missed; an update through .data recomputes it."""
+    import pickle
+
+    from rlcourse.lm.exact_oracle import EnumerablePolicy
+
+    policy = EnumerablePolicy(vocab_size=3, max_len=2, n_prompts=2)
+    first = policy.score_matrix().clone()
+    calls = []
+    real = torch.autograd.functional.jacobian
+    monkeypatch.setattr(torch.autograd.functional, "jacobian", lambda *a, **k: calls.append(1) or real(*a, **k))
+    copy = pickle.loads(pickle.dumps(policy))
+    assert torch.equal(copy.score_matrix(), first) and calls == []
+    copy.logits.data[0, 0, 0] += 1e-3
+    assert not torch.equal(copy.score_matrix(), first) and calls == [1]
+    assert torch.equal(policy.score_matrix(), first) and calls == [1]      # the original keeps its own
+
+
+def _verl_low_var_kl(logp, logq):
+    """verl's k3 ('low_var_kl'), restated from verl/trainer/ppo/core_algos.py: the log-ratio
+    log(pi_ref/pi) clamped to [-20, 20], then exp(l) - l - 1 clamped to [-10, 10]."""
+    l = np.clip(logq - logp, -20.0, 20.0)
+    return np.clip(np.exp(l) - l - 1.0, -10.0, 10.0)
+
+
+def _openrlhf_approx_kl(logp, logq, estimator):
+    """OpenRLHF's compute_approx_kl, restated: d = log pi - log pi_ref; k1 = d, k2 = d^2 / 2,
+    k3 = exp(-d) - 1 + d; every one clamped to [-10, 10] (no log-ratio clamp)."""
+    d = logp - logq
+    with np.errstate(over="ignore"):
+        value = {"k1": d, "k2": d ** 2 / 2, "k3": np.exp(-d) - 1.0 + d}[estimator]
+    return np.clip(value, -10.0, 10.0)
+
+
+def test_bound_10_is_verl_and_openrlhf_convention_exactly():
+    """Grid of log-ratios from -60 to 60, past the +-20 log-ratio clamp: with bound=ESTIMATE_BOUND ours
+    equals both restated rules; without it, ours differs from verl's exactly where |log r| > 20
+    (verl clamps the '- log r' term too, kl_k3 only the exponential's argument)."""
+    from rlcourse.kl import kl_k2
+
+    log_r = np.concatenate([np.linspace(-60, 60, 241), [-20.0, -19.99, 20.0, 20.01]])
+    logp = np.full_like(log_r, -1.0)
+    logq = logp + log_r
+    P, Q = torch.tensor(logp), torch.tensor(logq)
+    ours = kl_k3(P, Q, bound=ESTIMATE_BOUND).numpy()
+    assert np.allclose(ours, _verl_low_var_kl(logp, logq), rtol=1e-12, atol=1e-12)
+    for name, fn in (("k1", kl_k1), ("k2", kl_k2), ("k3", kl_k3)):
+        assert np.allclose(fn(P, Q, bound=ESTIMATE_BOUND).numpy(), _openrlhf_approx_kl(logp, logq, name),
+                           rtol=1e-12, atol=1e-12), name
+    clamped = np.clip(log_r, -20.0, 20.0)
+    verl_unbounded = np.exp(clamped) - clamped - 1.0
+    differs = ~np.isclose(kl_k3(P, Q).numpy(), verl_unbounded, rtol=1e-12)
+    assert set(np.flatnonzero(differs)) == set(np.flatnonzero(np.abs(log_r) > 20))
+
+
+def test_a_bf16_value_head_is_refused_and_a_bf16_policy_gets_a_float32_value_head():
+    """The critic is a ScalarHeadModel read at every position: the reward head's rule holds for it."""
+    from rlcourse.lm.model import make_model
+    from rlcourse.lm.tokenizer import build_char_tokenizer
+    from rlcourse.lm.value_model import make_value_model, token_values
+
+    tok = build_char_tokenizer()
+    policy = make_model("tiny", tok, seed=0).to(torch.bfloat16)
+    critic = make_value_model("policy", policy=policy)
+    assert critic.head.weight.dtype == torch.float32
+    ids, mask = torch.randint(4, 20, (2, 3)), torch.ones(2, 3, dtype=torch.long)
+    values = token_values(critic, ids, mask, ids, mask)
+    assert values.dtype == torch.float32 and torch.equal(values, torch.zeros(2, 3))   # zero head
+    with pytest.raises(ValueError, match="head must be float32"):
+        token_values(critic.to(torch.bfloat16), ids, mask, ids, mask)

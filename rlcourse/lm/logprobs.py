@@ -35,6 +35,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from rlcourse.kl import as_mask
 from rlcourse.lm import fast_gpt2
 
 
@@ -63,13 +64,10 @@ def _check_ids(name: str, ids, vocab_size: int | None = None, mask=None) -> None
                          f"the mask is 1, got ids from {int(real.min())} to {int(real.max())}")
 
 
-def _check_mask(name: str, mask, shape) -> torch.Tensor:
-    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)} (that of its ids), got "
-                         f"{tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}")
-    if mask.numel() and not ((mask == 0) | (mask == 1)).all():
-        raise ValueError(f"{name} must hold only 0 and 1 (or booleans): 1 = a real token, 0 = not there")
-    return mask.long()
+def _check_mask(name: str, mask, ids: torch.Tensor) -> torch.Tensor:
+    """``mask`` checked by the package's one mask check (:func:`rlcourse.kl.as_mask`: ``ids``' shape,
+    0 and 1 only; 1 = a real token, 0 = not there), as a long tensor on ``ids``' device."""
+    return as_mask(mask, ids, name).long()
 
 
 def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
@@ -112,9 +110,9 @@ def _model_inputs(model, prompt_ids, completion_ids, prompt_mask=None, completio
         raise ValueError(f"prompt_ids and completion_ids must have the same batch size, got "
                          f"{prompt_ids.shape[0]} and {completion_ids.shape[0]}")
     prompt_mask = (torch.ones_like(prompt_ids) if prompt_mask is None
-                   else _check_mask("prompt_mask", prompt_mask, prompt_ids.shape))
+                   else _check_mask("prompt_mask", prompt_mask, prompt_ids))
     completion_mask = (torch.ones_like(completion_ids) if completion_mask is None
-                       else _check_mask("completion_mask", completion_mask, completion_ids.shape))
+                       else _check_mask("completion_mask", completion_mask, completion_ids))
     if prompt_ids.shape[1] == 0:
         raise ValueError("prompt_ids has no columns: every prompt needs at least one token (e.g. BOS), "
                          "since the first completion token is predicted from the prompt's last one")

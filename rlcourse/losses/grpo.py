@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from rlcourse.kl import LOG_RATIO_BOUND, as_mask, kl_k3
+from rlcourse.returns import check_integer
 from rlcourse.losses.policy_gradient import (check_logprobs_mask, importance_ratio, ppo_clip_objective,
                                              trajectory_importance_weight)
 
@@ -56,9 +57,8 @@ def _rewards_1d(rewards) -> torch.Tensor:
     return rewards.detach()
 
 
-def _groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    if not isinstance(num_generations, int) or num_generations < 1:
-        raise ValueError(f"num_generations must be a positive integer, got {num_generations!r}")
+def _groups(rewards: torch.Tensor, num_generations: int, minimum: int = 1) -> torch.Tensor:
+    num_generations = check_integer("num_generations", num_generations, minimum)
     if rewards.numel() % num_generations:
         raise ValueError(f"rewards has {rewards.numel()} entries, not a multiple of "
                          f"num_generations={num_generations}")
@@ -111,10 +111,9 @@ def leave_one_out_advantages(rewards, num_generations: int) -> torch.Tensor:
     ``r_i``, so the estimator stays unbiased. ``K = 1`` has no siblings and is rejected.
     """
     rewards = _rewards_1d(rewards)
-    if num_generations < 2:
-        raise ValueError(f"num_generations must be >= 2 for a leave-one-out baseline, got {num_generations!r}")
-    grouped = _groups(rewards, num_generations)
-    siblings = (grouped.sum(dim=1, keepdim=True) - grouped) / (num_generations - 1)
+    grouped = _groups(rewards, num_generations, minimum=2)       # a leave-one-out baseline needs siblings
+    K = grouped.shape[1]
+    siblings = (grouped.sum(dim=1, keepdim=True) - grouped) / (K - 1)
     advantages = grouped - siblings
     all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
     return torch.where(all_equal, torch.zeros_like(advantages), advantages).reshape(-1)
