@@ -6,6 +6,7 @@ asserts that every one now fails its check with a clean ``CheckFailed``.
 """
 
 import rlcourse  # noqa: F401  (before torch)
+import numpy as np
 import torch
 
 from rlcourse.capstone import t_interval
@@ -88,6 +89,45 @@ def grpo_kwargs_max_steps_unchanged(config, task):
     return out
 
 
+# ------------------------------------------------------------------ float64 inputs answered in float32
+def exact_kl_in_float32(logits_p, logits_q):
+    logp, logq = torch.log_softmax(logits_p.float(), -1), torch.log_softmax(logits_q.float(), -1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def k3_in_float32(logp, logq):
+    log_r = (logq - logp).float()
+    return torch.exp(log_r) - 1 - log_r
+
+
+# ------------------------------------------------------------------ a result cut from the graph a later step differentiates
+def k3_through_numpy(logp, logq):
+    log_r = (logq - logp).detach().numpy()
+    return torch.from_numpy(np.exp(log_r) - 1 - log_r)
+
+
+# ------------------------------------------------------------------ a constant seed, or a fixed count, instead of the one given
+def _kl_estimators(logits_p, logits_q, n_samples, seed):
+    g = torch.Generator().manual_seed(seed)
+    logp_all, logq_all = torch.log_softmax(logits_p, -1), torch.log_softmax(logits_q, -1)
+    x = torch.multinomial(logp_all.exp(), n_samples, replacement=True, generator=g)
+    log_r = logq_all[x] - logp_all[x]
+    k1, k3 = -log_r, log_r.exp() - 1 - log_r
+    return {"k1": (k1.mean(), k1.std()), "k3": (k3.mean(), k3.std())}
+
+
+def kl_estimators_seed_0(logits_p, logits_q, n_samples, seed):
+    return _kl_estimators(logits_p, logits_q, n_samples, 0)
+
+
+def kl_estimators_20000_samples(logits_p, logits_q, n_samples, seed):
+    return _kl_estimators(logits_p, logits_q, 20000, seed)
+
+
+def kl_estimators_unseeded(logits_p, logits_q, n_samples, seed):
+    return _kl_estimators(logits_p, logits_q, n_samples, int(torch.randint(0, 2**31, ())))
+
+
 CATALOGUE = [
     ("an exponential that underflows under a log", "check_kl_k3", k3_log_of_exp),
     ("padding holding inf or nan", "check_aggregate_loss", aggregate_multiplies_by_the_mask),
@@ -100,9 +140,17 @@ CATALOGUE = [
     ("a reported result instead of the thing measured", "check_really_distributed", really_distributed_by_the_flag),
     ("the caller's model trained instead of a copy", "check_eos_experiment", eos_experiment_on_the_reference),
     ("a count in the other library's unit", "check_grpo_kwargs", grpo_kwargs_max_steps_unchanged),
+    ("float64 inputs answered in float32", "check_exact_kl", exact_kl_in_float32),
+    ("float64 inputs answered in float32", "check_kl_k3", k3_in_float32),
+    ("a result cut from the graph a later step differentiates", "check_kl_k3", k3_through_numpy),
+    ("a constant seed instead of the one given", "check_kl_estimators", kl_estimators_seed_0),
+    ("a fixed number of samples instead of the one given", "check_kl_estimators", kl_estimators_20000_samples),
+    ("randomness not drawn from the generator given", "check_kl_estimators", kl_estimators_unseeded),
 ]
 
 FAMILIES = {"an exponential that underflows under a log", "padding holding inf or nan",
             "a setting string compared with `is`", "randomness not drawn from the generator given",
             "an experiment that ignores the seeds it is given", "a reported result instead of the thing measured",
-            "the caller's model trained instead of a copy", "a count in the other library's unit"}
+            "the caller's model trained instead of a copy", "a count in the other library's unit",
+            "float64 inputs answered in float32", "a result cut from the graph a later step differentiates",
+            "a constant seed instead of the one given", "a fixed number of samples instead of the one given"}
