@@ -128,6 +128,44 @@ def kl_estimators_unseeded(logits_p, logits_q, n_samples, seed):
     return _kl_estimators(logits_p, logits_q, n_samples, int(torch.randint(0, 2**31, ())))
 
 
+# ------------------------------------------------------------------ lesson 08: padding on one side, nan in padding, cut graphs
+def bradley_terry_through_item(rewards_chosen, rewards_rejected, margin=None):
+    d = rewards_chosen - rewards_rejected - (0 if margin is None else margin)
+    return torch.tensor(float(-torch.nn.functional.logsigmoid(d).mean()), dtype=d.dtype)
+
+
+def bradley_terry_in_float32(rewards_chosen, rewards_rejected, margin=None):
+    d = rewards_chosen - rewards_rejected - (0 if margin is None else margin)
+    return -torch.nn.functional.logsigmoid(d.float()).mean()
+
+
+def score_by_one_hot(values, mask):
+    last = torch.where(mask.bool(), torch.arange(mask.shape[1]), -1).max(1).values
+    return (values * torch.nn.functional.one_hot(last, mask.shape[1])).sum(1)
+
+
+def score_detached(values, mask):
+    last = torch.where(mask.bool(), torch.arange(mask.shape[1]), -1).max(1).values
+    return values.detach().gather(1, last[:, None]).squeeze(1)
+
+
+def kl_rewards_score_at_count(scores, logprobs, ref_logprobs, mask, kl_coef):
+    rewards = -kl_coef * (logprobs.detach() - ref_logprobs) * mask
+    return rewards.index_put((torch.arange(len(scores)), mask.long().sum(1) - 1), scores, accumulate=True)
+
+
+def token_gae_over_the_first_positions(rewards, values, mask, gamma, lam):
+    B, T = rewards.shape
+    out = torch.zeros_like(rewards)
+    for b in range(B):
+        n, running = int(mask[b].sum()), 0.0
+        for t in reversed(range(n)):
+            nxt = values[b, t + 1] if t + 1 < n else 0.0
+            running = rewards[b, t] + gamma * nxt - values[b, t] + gamma * lam * running
+            out[b, t] = running
+    return out
+
+
 CATALOGUE = [
     ("an exponential that underflows under a log", "check_kl_k3", k3_log_of_exp),
     ("padding holding inf or nan", "check_aggregate_loss", aggregate_multiplies_by_the_mask),
@@ -146,6 +184,12 @@ CATALOGUE = [
     ("a constant seed instead of the one given", "check_kl_estimators", kl_estimators_seed_0),
     ("a fixed number of samples instead of the one given", "check_kl_estimators", kl_estimators_20000_samples),
     ("randomness not drawn from the generator given", "check_kl_estimators", kl_estimators_unseeded),
+    ("a result cut from the graph a later step differentiates", "check_bradley_terry_loss", bradley_terry_through_item),
+    ("float64 inputs answered in float32", "check_bradley_terry_loss", bradley_terry_in_float32),
+    ("padding holding inf or nan", "check_score_at_last_token", score_by_one_hot),
+    ("a result cut from the graph a later step differentiates", "check_score_at_last_token", score_detached),
+    ("padding on one side only", "check_kl_shaped_rewards", kl_rewards_score_at_count),
+    ("padding on one side only", "check_token_gae", token_gae_over_the_first_positions),
 ]
 
 FAMILIES = {"an exponential that underflows under a log", "padding holding inf or nan",
@@ -153,4 +197,5 @@ FAMILIES = {"an exponential that underflows under a log", "padding holding inf o
             "an experiment that ignores the seeds it is given", "a reported result instead of the thing measured",
             "the caller's model trained instead of a copy", "a count in the other library's unit",
             "float64 inputs answered in float32", "a result cut from the graph a later step differentiates",
-            "a constant seed instead of the one given", "a fixed number of samples instead of the one given"}
+            "a constant seed instead of the one given", "a fixed number of samples instead of the one given",
+            "padding on one side only"}

@@ -1,5 +1,6 @@
 """The lesson-08 checks pass the reference answers and catch plausible mistakes."""
 import copy
+import re
 
 import rlcourse  # noqa: F401  (before torch)
 import pytest
@@ -131,3 +132,45 @@ def test_unfinished_exercises_raise_not_implemented():
             check(todo)
     with pytest.raises(NotImplementedError):
         check_eos_experiment(todo)
+
+
+# --- families the checks now vary (catalogue: tests/grading_catalogue_llm.py) ------------------
+
+def bt_through_item(c, r, m=None):          # right value, a number the optimiser cannot step on
+    return torch.tensor(float(-F.logsigmoid(c - r - (0 if m is None else m)).mean()), dtype=c.dtype)
+
+
+def bt_in_float32(c, r, m=None):
+    return -F.logsigmoid((c - r - (0 if m is None else m)).float()).mean()
+
+
+def score_by_one_hot(v, m):                 # 0 * nan is nan where the padding holds nan
+    idx = torch.where(m.bool(), torch.arange(m.shape[1]), -1).max(1).values
+    return (v * F.one_hot(idx, m.shape[1])).sum(1)
+
+
+def score_detached(v, m):
+    return score_at_last_token(v.detach(), m)
+
+
+def kl_rewards_score_at_count(s, lp, ref, m, c):     # right padding assumed: the score at mask.sum() - 1
+    r = -c * (lp.detach() - ref) * m
+    return r.index_put((torch.arange(len(s)), m.long().sum(1) - 1), s, accumulate=True)
+
+
+def gae_over_prefix(r, v, m, g, lam):       # right padding assumed: the first mask.sum() positions
+    prefix = (torch.arange(m.shape[1]) < m.long().sum(1, keepdim=True)).long()
+    return gae(r, v, g, lam, mask=prefix)
+
+
+@pytest.mark.parametrize("check, wrong, hint", [
+    (check_bradley_terry_loss, bt_through_item, "grad_fn"),
+    (check_bradley_terry_loss, bt_in_float32, "float64"),
+    (check_score_at_last_token, score_by_one_hot, "0 * nan is nan"),
+    (check_score_at_last_token, score_detached, "grad_fn"),
+    (check_kl_shaped_rewards, kl_rewards_score_at_count, "either side"),
+    (check_token_gae, gae_over_prefix, "either side"),
+], ids=lambda x: getattr(x, "__name__", None) if callable(x) else None)
+def test_families_the_checks_now_vary(check, wrong, hint):
+    with pytest.raises(CheckFailed, match=re.escape(hint)):
+        check(wrong)

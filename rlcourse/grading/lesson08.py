@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy, references
+from rlcourse.grading._core import (assert_close, call_unmutated, fail, fail_if_mistake, gradient_flowing, passed,
+                                    references, to_numpy)
+from rlcourse.grading.lesson07b import kept_float64
 
 __all__ = ["check_bradley_terry_loss", "check_score_at_last_token", "check_kl_shaped_rewards",
            "check_token_gae", "check_eos_experiment"]
@@ -29,9 +31,15 @@ def _unchanged(name, case, before, after):
                  "build new tensors (e.g. x.clone()) instead of writing into an argument")
 
 
-@references("rlcourse.losses.reward_model:bradley_terry_loss")
+# DPO's sigmoid loss with zero reference log-probs and beta = 1 is the Bradley-Terry loss per pair
+# (preference_loss averages it): calling either is not writing the loss.
+@references("rlcourse.losses.reward_model:bradley_terry_loss", "rlcourse.losses.dpo:dpo_sigmoid_loss",
+            "rlcourse.losses.dpo:preference_loss")
 def check_bradley_terry_loss(fn) -> None:
-    """``fn(rewards_chosen, rewards_rejected, margin=None) -> scalar``: ``-mean log sigmoid(r_w - r_l - m)``."""
+    """``fn(rewards_chosen, rewards_rejected, margin=None) -> scalar``: ``-mean log sigmoid(r_w - r_l - m)``.
+
+    The loss trains the reward model: its gradient must reach both reward tensors (checked with
+    autograd against the reference's). Float64 rewards give a float64 loss."""
     __tracebackhide__ = True
     from rlcourse.losses import bradley_terry_loss as reference
 
@@ -46,10 +54,18 @@ def check_bradley_terry_loss(fn) -> None:
               torch.tensor([-200.0, 150.0, -90.0]), torch.tensor([200.0, -150.0, 20.0]), None),
              ("float64 rewards", torch.randn(5, generator=gen, dtype=torch.float64),
               torch.randn(5, generator=gen, dtype=torch.float64), None)]
-    for case, rc, rr, margin in cases:
-        before = [rc.clone(), rr.clone()] + ([margin.clone()] if isinstance(margin, torch.Tensor) else [])
+    answers = []
+    for case, rc0, rr0, margin in cases:
+        # leaves the gradient is measured at, and non-leaf views of them handed over (writable in
+        # place, so an answer that writes into its argument is seen doing it)
+        sources = [rc0.clone().requires_grad_(True), rr0.clone().requires_grad_(True)]
+        rc, rr = (x * 1 for x in sources)
+        before = [rc0, rr0] + ([margin.clone()] if isinstance(margin, torch.Tensor) else [])
         got = fn(rc, rr, margin) if margin is not None else fn(rc, rr)
-        _unchanged(name, case, before, [rc, rr] + ([margin] if isinstance(margin, torch.Tensor) else []))
+        _unchanged(name, case, before, [rc.detach(), rr.detach()] + ([margin] if isinstance(margin, torch.Tensor) else []))
+        kept_float64(name, case, got, rc, rr)
+        answers.append((case, *sources, margin, got))
+        rc, rr = rc0, rr0
         expected = reference(rc, rr, margin)
         d = (rc - rr).double()
         m = torch.as_tensor(0.0 if margin is None else margin, dtype=torch.float64)
@@ -66,6 +82,16 @@ def check_bradley_terry_loss(fn) -> None:
                      "use torch.nn.functional.logsigmoid")
         assert_close(name, case, expected, g, atol=1e-5, rtol=1e-5,
                      hint="loss = -mean(logsigmoid(r_chosen - r_rejected - margin))")
+    # The values first, then the gradients of the same answers: the loss is what trains the model.
+    for case, rc, rr, margin, got in answers:
+        grads = gradient_flowing(name, case, got, [rc, rr],
+                                 "the loss trains the reward model: compute it with torch operations on the rewards "
+                                 "(no .item(), NumPy or torch.tensor(...) around a value)")
+        inputs = [x.detach().clone().requires_grad_(True) for x in (rc, rr)]
+        want = torch.autograd.grad(reference(*inputs, margin), inputs)
+        assert_close(name, f"{case}: the gradient with respect to the rewards", torch.stack(want),
+                     torch.stack(grads), atol=1e-6, rtol=1e-5,
+                     hint="the gradient of -mean logsigmoid(d) is -sigmoid(-d) / n for r_chosen, the opposite for r_rejected")
     passed(name, len(cases))
 
 
@@ -79,21 +105,35 @@ def _mask_cases(gen):
             ("masks with holes inside a row", holes)]
 
 
-@references("rlcourse.lm.reward_model:score_at_last_token")
+@references("rlcourse.lm.reward_model:score_at_last_token", "rlcourse.lm.reward_model:last_real_index")
 def check_score_at_last_token(fn) -> None:
-    """``fn(values, mask) -> (B,)``: ``values[b, t_b]`` with ``t_b`` the last position where ``mask[b]`` is 1."""
+    """``fn(values, mask) -> (B,)``: ``values[b, t_b]`` with ``t_b`` the last position where ``mask[b]`` is 1.
+
+    Padding may sit on either side or inside a row, and may hold anything (a value head's output
+    after ``<eos>``: large numbers, ``nan``, ``-inf``): read the real position, never multiply by
+    the mask. The score trains the reward model, so its gradient must reach ``values``.
+    """
     __tracebackhide__ = True
     from rlcourse.lm.reward_model import score_at_last_token as reference
 
     name = "check_score_at_last_token"
     gen = torch.Generator().manual_seed(81)
-    cases = _mask_cases(gen)
-    for case, mask in cases:
+    cases = [(case, mask, 1e3) for case, mask in _mask_cases(gen)]
+    cases.append(("right-padded, padding holding nan and -inf (0 * nan is nan)",
+                  torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]), float("nan")))
+    cases.append(("left-padded, padding holding -inf", torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]]),
+                  -float("inf")))
+    answers = []
+    for case, mask, pad in cases:
         values = torch.randn(mask.shape, generator=gen)
-        values = torch.where(mask.bool(), values, torch.full_like(values, 1e3))   # pads hold loud values
-        before = [values.clone(), mask.clone()]
-        got = fn(values, mask)
-        _unchanged(name, case, before, [values, mask])
+        if pad != pad:       # nan: alternate nan and -inf along the padding
+            fill = torch.tensor([float("nan"), -float("inf")]).repeat(mask.shape[1])[:mask.shape[1]].expand(mask.shape)
+        else:
+            fill = torch.full_like(values, pad)
+        values = torch.where(mask.bool(), values, fill)          # pads hold loud values
+        source = values.clone().requires_grad_(True)
+        handed = source * 1                                      # writable, with a graph back to source
+        got = call_unmutated(name, case, fn, handed, mask)
         expected = reference(values, mask)
         g = None if got is None else _plain(got)
         if g is not None:
@@ -103,14 +143,30 @@ def check_score_at_last_token(fn) -> None:
             fail_if_mistake(name, case, expected, g, values.gather(1, count[:, None]).squeeze(1),
                             "mask.sum() - 1 is the last real index only for right padding with no holes; "
                             "find the largest index where mask is 1")
+            if not torch.isfinite(torch.as_tensor(to_numpy(g))).all():
+                fail(name, case, expected, g, "padding may hold nan or -inf, and 0 * nan is nan: pick the value at "
+                     "the last real position (values.gather) instead of multiplying values by a mask")
         assert_close(name, case, expected, g, atol=1e-6,
                      hint="e.g. idx = torch.where(mask.bool(), arange(T), -1).max(1).values; values.gather(1, idx)")
+        answers.append((case, source, mask, got))
+    for case, source, mask, got in answers:
+        (grad,) = gradient_flowing(name, case, got, [source],
+                                   "the score is what the reward model's loss differentiates: index values with torch "
+                                   "operations (gather), without .item(), NumPy or .detach()")
+        ref = source.detach().clone().requires_grad_(True)
+        (want,) = torch.autograd.grad(reference(ref, mask).sum(), [ref])
+        assert_close(name, f"{case}: the gradient with respect to values", want, grad, atol=1e-6,
+                     hint="only the value at each row's last real position receives the gradient, with weight 1")
     passed(name, len(cases))
 
 
 @references("rlcourse.lm.ppo_rlhf:kl_shaped_rewards")
 def check_kl_shaped_rewards(fn) -> None:
-    """``fn(scores, logprobs, ref_logprobs, mask, kl_coef) -> (B, T)``: ``-kl_coef * k1_t`` plus the score at the last real token."""
+    """``fn(scores, logprobs, ref_logprobs, mask, kl_coef) -> (B, T)``: ``-kl_coef * k1_t`` plus the score at the last real token.
+
+    Masks are right-padded, left-padded and with holes. Accepted borderline: padded log-probs are
+    finite junk, never ``-inf`` or ``nan`` (the reference multiplies the KL by the mask, as the
+    lesson's solution does)."""
     __tracebackhide__ = True
     from rlcourse.lm.ppo_rlhf import kl_shaped_rewards as reference
 
@@ -120,7 +176,9 @@ def check_kl_shaped_rewards(fn) -> None:
     for i, (mask, coef) in enumerate([(torch.ones(2, 4, dtype=torch.long), 0.1),
                                       (torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]), 0.05),
                                       (torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0]]), 0.0),
-                                      (torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]), 2.0)]):
+                                      (torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]), 2.0),
+                                      (torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]), 0.1),
+                                      (torch.tensor([[1, 0, 1, 1, 0], [0, 1, 1, 0, 0]]), 0.3)]):
         B, T = mask.shape
         logp = (-3 * torch.rand(B, T, generator=gen)).requires_grad_(True)
         ref = -3 * torch.rand(B, T, generator=gen)
@@ -145,6 +203,11 @@ def check_kl_shaped_rewards(fn) -> None:
             fail_if_mistake(name, case, expected, g, (-coef * kl).index_put((torch.arange(len(scores)),
                             torch.full((len(scores),), mask.shape[1] - 1)), scores, accumulate=True),
                             "the score was put in the last column, a pad for short rows")
+            count = mask.long().sum(1) - 1
+            fail_if_mistake(name, case, expected, g, (-coef * kl).index_put((torch.arange(len(scores)), count), scores,
+                                                                          accumulate=True),
+                            "mask.sum() - 1 is the last real index only for right padding without holes; padding "
+                            "can sit on either side: put the score at the largest index where mask is 1")
             fail_if_mistake(name, case, expected, g, expected + 2 * coef * kl,
                             "KL_t = log pi_old - log pi_ref; the reward subtracts kl_coef * KL_t")
             fail_if_mistake(name, case, expected, g, expected - coef * (logp.detach() - ref) * (1 - m),
@@ -154,9 +217,13 @@ def check_kl_shaped_rewards(fn) -> None:
     passed(name, len(cases))
 
 
-@references("rlcourse.returns:gae")
+@references("rlcourse.returns:gae", "rlcourse.returns:gae_from_n_step", "rlcourse.lm.ppo_rlhf:advantages_and_returns")
 def check_token_gae(fn) -> None:
-    """``fn(rewards, values, mask, gamma, lam) -> (B, T)``: GAE over each row's real tokens, terminal after the last."""
+    """``fn(rewards, values, mask, gamma, lam) -> (B, T)``: GAE over each row's real tokens, terminal after the last.
+
+    Masks are right-padded and left-padded (a row's real tokens form one block). Accepted
+    borderline: no holes inside a row (bootstrapping across a hole, as the reference does, or from
+    0 there, as the lesson's solution does, are both defensible) and padded values are finite."""
     __tracebackhide__ = True
     from rlcourse.returns import gae
 
@@ -166,7 +233,8 @@ def check_token_gae(fn) -> None:
     for i, (mask, gamma, lam) in enumerate([(torch.ones(1, 4, dtype=torch.long), 1.0, 1.0),
                                             (torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]), 1.0, 0.95),
                                             (torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]]), 0.9, 0.5),
-                                            (torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]), 1.0, 0.0)]):
+                                            (torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]), 1.0, 0.0),
+                                            (torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]), 0.9, 0.8)]):
         B, T = mask.shape
         rewards = torch.randn(B, T, generator=gen) * mask
         values = torch.randn(B, T, generator=gen) + 3.0 * (1 - mask)   # pads hold values: never bootstrap from them
@@ -184,6 +252,11 @@ def check_token_gae(fn) -> None:
             for t in reversed(range(rewards.shape[1])):
                 run = rewards[:, t] + gamma * nxt[:, t] - values[:, t] + gamma * lam * run
                 leak[:, t] = run
+            lengths = mask.long().sum(1, keepdim=True)
+            prefix = (torch.arange(mask.shape[1]) < lengths).long()
+            fail_if_mistake(name, case, expected, g, gae(rewards, values, gamma, lam, mask=prefix),
+                            "that treats the first mask.sum() positions as the real ones (right padding); padding "
+                            "can sit on either side: use the mask itself, position by position")
             fail_if_mistake(name, case, expected, g, leak * mask,
                             "the last real token bootstrapped from the value after <eos> (a pad): "
                             "the state after the last real token is terminal, V = 0")
