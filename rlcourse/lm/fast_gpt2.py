@@ -54,18 +54,37 @@ def supports(model) -> bool:
             and model.lm_head.bias is None)
 
 
+def num_seeds(model) -> int | None:
+    """S for a seed-stacked model (:func:`rlcourse.lm.seed_batch.stack_models`), None for a plain one."""
+    return getattr(model, "rlcourse_num_seeds", None)
+
+
+def _linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """``x @ W + b`` (GPT-2's Conv1D stores ``W`` as (in, out)); seed-stacked: ``x[s] @ W[s] + b[s]``."""
+    if layer.weight.dim() == 2:
+        return torch.addmm(layer.bias, x, layer.weight)
+    return torch.baddbmm(layer.bias.unsqueeze(1), x, layer.weight)
+
+
+def _layer_norm(model, x: torch.Tensor, norm) -> torch.Tensor:
+    """LayerNorm over the last dimension with ``norm``'s gain and bias (one per seed when stacked)."""
+    width, eps = model.config.n_embd, model.config.layer_norm_epsilon
+    if norm.weight.dim() == 1:
+        return F.layer_norm(x, (width,), norm.weight, norm.bias, eps)
+    return torch.addcmul(norm.bias.unsqueeze(1), F.layer_norm(x, (width,), None, None, eps), norm.weight.unsqueeze(1))
+
+
 def _block(model, block, h: torch.Tensor, attend) -> torch.Tensor:
-    """One GPT-2 block on flat hidden states ``h`` (N, W); ``attend(qkv) -> (N, W)`` does the attention."""
-    cfg = model.config
-    width, eps = cfg.n_embd, cfg.layer_norm_epsilon
-    a = F.layer_norm(h, (width,), block.ln_1.weight, block.ln_1.bias, eps)
-    # GPT-2's Conv1D stores weights as (in, out): y = x @ W + b.
-    qkv = torch.addmm(block.attn.c_attn.bias, a, block.attn.c_attn.weight)
-    h = h + torch.addmm(block.attn.c_proj.bias, attend(qkv), block.attn.c_proj.weight)
-    m = F.layer_norm(h, (width,), block.ln_2.weight, block.ln_2.bias, eps)
-    m = F.gelu(torch.addmm(block.mlp.c_fc.bias, m, block.mlp.c_fc.weight),
-               approximate="none" if cfg.activation_function == "gelu" else "tanh")
-    return h + torch.addmm(block.mlp.c_proj.bias, m, block.mlp.c_proj.weight)
+    """One GPT-2 block on hidden states ``h``: (N, W), or (S, N, W) for a seed-stacked model.
+
+    ``attend(qkv) -> (rows, W)`` does the attention on the rows of every seed, flattened seed-major.
+    """
+    a = _layer_norm(model, h, block.ln_1)
+    qkv = _linear(a, block.attn.c_attn)
+    h = h + _linear(attend(qkv.reshape(-1, qkv.shape[-1])).view(h.shape), block.attn.c_proj)
+    m = _layer_norm(model, h, block.ln_2)
+    m = F.gelu(_linear(m, block.mlp.c_fc), approximate="none" if model.config.activation_function == "gelu" else "tanh")
+    return h + _linear(m, block.mlp.c_proj)
 
 
 def _heads(qkv: torch.Tensor, rows: int, n: int, n_head: int) -> tuple[torch.Tensor, ...]:
@@ -93,23 +112,46 @@ def _causal_mask(valid_keys: torch.Tensor, n_queries: int) -> torch.Tensor:
 
 
 def _embed(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    tr = model.transformer
-    return (F.embedding(ids, tr.wte.weight) + F.embedding(positions, tr.wpe.weight)).reshape(-1, model.config.n_embd)
+    """Token plus position embeddings of ``ids`` (R, n): (R * n, W), or (S, R / S * n, W) when stacked.
+
+    A stacked model's rows are seed-major (rows ``s * R / S`` onwards belong to seed ``s``), and seed
+    ``s`` reads its own tables: row ``s * V + i`` of the flattened (S * V, W) table is its token ``i``.
+    """
+    tr, width = model.transformer, model.config.n_embd
+    wte, wpe = tr.wte.weight, tr.wpe.weight
+    if wte.dim() == 2:
+        return (F.embedding(ids, wte) + F.embedding(positions, wpe)).reshape(-1, width)
+    seeds = torch.arange(wte.shape[0], device=ids.device)[:, None]
+    ids, positions = ids.reshape(len(seeds), -1), positions.reshape(len(seeds), -1)
+    return (F.embedding(ids + seeds * wte.shape[1], wte.reshape(-1, width))
+            + F.embedding(positions + seeds * wpe.shape[1], wpe.reshape(-1, width)))
 
 
 def _logits(model, h: torch.Tensor) -> torch.Tensor:
-    ln = model.transformer.ln_f
-    return F.layer_norm(h, (model.config.n_embd,), ln.weight, ln.bias, model.config.layer_norm_epsilon) \
-        @ model.lm_head.weight.T
+    """``LN_f(h) @ wte^T`` for hidden states (..., W); a stacked model's leading rows are seed-major."""
+    head = model.lm_head.weight
+    if head.dim() == 2:
+        return _layer_norm(model, h, model.transformer.ln_f) @ head.T
+    x = _layer_norm(model, h.reshape(head.shape[0], -1, h.shape[-1]), model.transformer.ln_f)
+    return torch.bmm(x, head.transpose(1, 2)).view(*h.shape[:-1], -1)
 
 
-def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_seeds: int = 1):
     """The distinct rows of a left-padded prompt batch: ``(ids (U, P), mask (U, P), inverse (B,))``.
 
-    ``ids[inverse]`` and ``mask[inverse]`` rebuild the batch (pads read as 0).
+    ``ids[inverse]`` and ``mask[inverse]`` rebuild the batch (pads read as 0). With ``num_seeds``
+    S > 1 the batch is S seed-major blocks and rows are made distinct within each block (seed
+    ``s``'s prompts run through seed ``s``'s weights): every block gets the same number of distinct
+    rows U / S, a block with fewer repeating its first row (a copy nothing reads).
     """
     keyed = prompt_ids.long().masked_fill(prompt_mask == 0, -1)
-    rows, inverse = torch.unique(keyed, dim=0, return_inverse=True)
+    if num_seeds == 1:
+        rows, inverse = torch.unique(keyed, dim=0, return_inverse=True)
+    else:
+        blocks = [torch.unique(block, dim=0, return_inverse=True) for block in keyed.chunk(num_seeds)]
+        width = max(len(r) for r, _ in blocks)
+        rows = torch.cat([torch.cat([r, r[:1].expand(width - len(r), -1)]) for r, _ in blocks])
+        inverse = torch.cat([inv + s * width for s, (_, inv) in enumerate(blocks)])
     return rows.clamp(min=0), (rows >= 0).long(), inverse
 
 
@@ -120,31 +162,38 @@ def completion_window_logits(model, prompt_ids, prompt_mask, completion_ids, com
     with position ids from the attention mask, computed with each distinct prompt run once.
     Inputs are validated by the caller (:func:`rlcourse.lm.logprobs.completion_logits`).
     """
-    n_head = model.config.n_head
-    u_ids, u_mask, inverse = distinct_prompts(prompt_ids, prompt_mask)
+    n_head, seeds = model.config.n_head, num_seeds(model) or 1
+    u_ids, u_mask, inverse = distinct_prompts(prompt_ids, prompt_mask, seeds)
     (n_unique, n_prompt), (batch, n_new) = u_ids.shape, completion_ids.shape
     prompt_positions = (u_mask.cumsum(1) - 1).clamp(min=0)
     # A completion token's position counts the real prompt tokens and the real completion tokens before it.
     new_positions = (u_mask.sum(1)[inverse, None] + completion_mask.cumsum(1) - 1).clamp(min=0)
     prompt_att = _causal_mask(u_mask.bool(), n_prompt)
     new_att = _causal_mask(torch.cat([u_mask[inverse], completion_mask], 1).bool(), n_new)
-    split = n_unique * n_prompt
+    # Each seed's positions are [its U/S prompts x P | its B/S completions x T]; without seeds, S = 1.
+    split = n_unique // seeds * n_prompt
 
     def attend(qkv):
-        qp, kp, vp = _heads(qkv[:split], n_unique, n_prompt, n_head)
-        qc, kc, vc = _heads(qkv[split:], batch, n_new, n_head)
+        per_seed = qkv.view(seeds, -1, qkv.shape[-1])
+        qp, kp, vp = _heads(per_seed[:, :split].reshape(-1, qkv.shape[-1]), n_unique, n_prompt, n_head)
+        qc, kc, vc = _heads(per_seed[:, split:].reshape(-1, qkv.shape[-1]), batch, n_new, n_head)
         out_p = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=prompt_att)
         # Every completion attends to the one copy of its prompt's keys and values.
         keys, values = torch.cat([kp[inverse], kc], 2), torch.cat([vp[inverse], vc], 2)
         out_c = F.scaled_dot_product_attention(qc, keys, values, attn_mask=new_att)
-        return torch.cat([_merge(out_p), _merge(out_c)])
+        width = out_p.shape[1] * out_p.shape[3]
+        return torch.cat([_merge(out_p).view(seeds, -1, width), _merge(out_c).view(seeds, -1, width)], 1).view(-1, width)
 
-    h = torch.cat([_embed(model, u_ids, prompt_positions), _embed(model, completion_ids.long(), new_positions)])
+    h = torch.cat([_embed(model, u_ids, prompt_positions).view(seeds, -1, model.config.n_embd),
+                   _embed(model, completion_ids.long(), new_positions).view(seeds, -1, model.config.n_embd)], 1)
+    if seeds == 1 and num_seeds(model) is None:
+        h = h[0]                                   # a plain model's hidden states are (N, W)
     for block in model.transformer.h:
         h = _block(model, block, h, attend)
     width = model.config.n_embd
-    last_prompt = h[:split].view(n_unique, n_prompt, width)[:, -1][inverse]     # (B, W)
-    window = torch.cat([last_prompt[:, None], h[split:].view(batch, n_new, width)], 1)
+    per_seed = h.view(seeds, -1, width)
+    last_prompt = per_seed[:, :split].reshape(n_unique, n_prompt, width)[:, -1][inverse]     # (B, W)
+    window = torch.cat([last_prompt[:, None], per_seed[:, split:].reshape(batch, n_new, width)], 1)
     return _logits(model, window)
 
 
@@ -291,7 +340,7 @@ class StaticGPT2Decoder(GPT2Decoder):
             h = _block(self.model, block, h, attend)
         self.position.add_(1)
         at.add_(1)
-        return _logits(self.model, h)
+        return _logits(self.model, h.view(-1, h.shape[-1]))
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -348,6 +397,7 @@ def static_decoder(model, prompt_mask: torch.Tensor, max_new_tokens: int,
 
 def _first_batch_row(rows: torch.Tensor, n_distinct: int) -> torch.Tensor:
     """For each distinct prompt, one batch row that continues it (any will do: they share the prompt)."""
-    first = torch.empty(n_distinct, dtype=torch.long, device=rows.device)
+    # zeros: a distinct row no batch row continues (a seed block's filler copy) reads row 0's mask
+    first = torch.zeros(n_distinct, dtype=torch.long, device=rows.device)
     first[rows] = torch.arange(len(rows), device=rows.device)
     return first

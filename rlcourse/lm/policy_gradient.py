@@ -38,7 +38,8 @@ from rlcourse.losses.grpo import (LOSS_TYPES, aggregate_loss, batch_mean_advanta
                                   group_advantages, importance_weights, leave_one_out_advantages,
                                   moving_average_baseline, per_token_loss, rloo_loss)
 
-__all__ = ["PolicyGradientConfig", "PolicyGradientTrainer", "ADVANTAGE_ESTIMATORS"]
+__all__ = ["PolicyGradientConfig", "PolicyGradientTrainer", "ADVANTAGE_ESTIMATORS", "advantages",
+           "checked_rewards", "logits_and_logprobs", "loss_and_stats", "draw_metrics"]
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "batch_mean", "moving_average")
 
@@ -75,6 +76,9 @@ class PolicyGradientConfig:
 
     ``loss_type`` is one of ``grpo, bnpo, dr_grpo, dapo, cispo, sapo`` (TRL's default ``dapo``) or
     ``rloo`` (RLOOTrainer's loss: PPO-clip on the whole-sequence ratio).
+
+    ``num_seeds`` (ours) is how many independent runs one trainer advances together: 1 here,
+    S > 1 in :class:`rlcourse.lm.seed_batched.SeedBatchedPolicyGradientTrainer`.
     """
 
     learning_rate: float = 1e-4
@@ -102,6 +106,7 @@ class PolicyGradientConfig:
     dynamic_sampling: bool = False
     max_num_gen_batches: int = 4
     max_grad_norm: float | None = 1.0
+    num_seeds: int = 1
 
     def __post_init__(self):
         if self.loss_type not in (*LOSS_TYPES, "rloo"):
@@ -131,9 +136,39 @@ class PolicyGradientConfig:
                 or self.max_num_gen_batches < 1):
             raise ValueError(f"max_num_gen_batches must be an integer >= 1 (a cap on generation batches per "
                              f"step; there is no 'unlimited'), got {self.max_num_gen_batches!r}")
+        if (not isinstance(self.num_seeds, int) or isinstance(self.num_seeds, bool) or self.num_seeds < 1):
+            raise ValueError(f"num_seeds must be an integer >= 1, got {self.num_seeds!r}")
         if self.dynamic_sampling and self.num_generations < 2:
             raise ValueError("dynamic_sampling needs num_generations >= 2: a group of one completion always "
                              "has all-equal rewards, so every group would be dropped")
+
+
+def advantages(config: PolicyGradientConfig, rewards: torch.Tensor,
+               baseline: float | None = None) -> tuple[torch.Tensor, float | None]:
+    """One run's advantages from its rewards, by ``config.advantage_estimator``; and the new baseline.
+
+    ``baseline`` is the moving average carried from step to step (``moving_average`` only; None
+    before the first batch, which is then its own baseline). The advantage uses the baseline from
+    *before* this batch.
+    """
+    c = config
+    if c.advantage_estimator == "grpo":
+        return group_advantages(rewards, c.num_generations, c.scale_rewards, c.std_floor), baseline
+    if c.advantage_estimator == "rloo":
+        return leave_one_out_advantages(rewards, c.num_generations), baseline
+    if c.advantage_estimator == "batch_mean":
+        return batch_mean_advantages(rewards), baseline
+    before = baseline if baseline is not None else float(rewards.mean())
+    return rewards - before, moving_average_baseline(baseline, rewards, c.baseline_decay)
+
+
+def checked_rewards(task, prompts: list[str], completions: list[str], device) -> torch.Tensor:
+    """``task.reward(prompts, completions)`` as a float32 tensor, refused unless one finite reward per completion."""
+    rewards = torch.as_tensor(task.reward(prompts, completions), dtype=torch.float32).to(device)
+    if rewards.shape != (len(prompts),) or not bool(torch.isfinite(rewards).all()):
+        raise ValueError(f"task.reward must return one finite reward per completion (no NaN, no +-inf), "
+                         f"got {rewards}")
+    return rewards
 
 
 @dataclass
@@ -147,6 +182,60 @@ class _Batch:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     metrics: dict = field(default_factory=dict)
+
+    def rows(self, rows: slice) -> "_Batch":
+        """The same batch restricted to ``rows`` (one seed's block of a seed-batched batch)."""
+        cut = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return _Batch(**cut)
+
+
+def logits_and_logprobs(model, b: _Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model``'s logits (B, T, V) on ``b``'s completions and the tokens' log-probs at ``temperature``, 0 off the loss mask."""
+    logits = completion_logits(model, b.prompt_ids, b.completion_ids, b.prompt_mask, b.loss_mask)
+    logp = token_logprobs_from_logits(logits, b.completion_ids, temperature)
+    return logits, logp * b.loss_mask.to(logp.dtype)
+
+
+def loss_and_stats(config: PolicyGradientConfig, logits: torch.Tensor, logp: torch.Tensor, b: _Batch,
+                   max_len: int) -> tuple[torch.Tensor, dict]:
+    """One run's loss from the current policy's ``logits`` and masked log-probs ``logp`` on batch ``b``.
+
+    The loss is ``config.loss_type``'s (:func:`rlcourse.losses.grpo.per_token_loss` then
+    :func:`~rlcourse.losses.grpo.aggregate_loss`, or :func:`~rlcourse.losses.grpo.rloo_loss`); the
+    stats are TRL's ``entropy``, ``clip_ratio/*`` and, with a reference, ``kl``.
+    """
+    c = config
+    old = b.old_logprobs if b.old_logprobs is not None else logp.detach()
+    mask = b.loss_mask
+    if c.loss_type == "rloo":
+        loss = rloo_loss(logp, old, b.advantages, mask, c.epsilon, c.epsilon_high)
+        ratio = torch.exp(((logp - old) * mask).sum(1, keepdim=True))
+    else:
+        beta = 0.0 if c.kl_in_reward else c.beta
+        per_token = per_token_loss(logp, old, b.advantages, mask, c.loss_type, c.epsilon, c.epsilon_high,
+                                   c.importance_sampling_level, beta, b.ref_logprobs, c.sapo_temperature_pos,
+                                   c.sapo_temperature_neg, c.use_bias_correction_kl)
+        loss = aggregate_loss(per_token, mask, c.loss_type, max_len)
+        ratio = importance_weights(logp, old, mask, c.importance_sampling_level).detach()
+    with torch.no_grad():
+        logp_full = torch.log_softmax(logits.float() / c.temperature, dim=-1)
+        stats = {"entropy": float(masked_mean(exact_entropy(logp_full), mask.bool())),
+                 **clip_fractions(ratio, b.advantages, mask, c.epsilon, c.epsilon_high)}
+        if b.ref_logprobs is not None:
+            stats["kl"] = float(masked_mean(kl_k3(logp.detach(), b.ref_logprobs), mask.bool()))
+    return loss, stats
+
+
+def draw_metrics(drawn, num_generations: int) -> dict:
+    """TRL's sampling metrics over every ``(rollout, rewards)`` drawn in a step (kept or not)."""
+    rewards = torch.cat([r for _, r in drawn])
+    lengths = torch.cat([roll.completion_mask.sum(1) for roll, _ in drawn]).float()
+    truncated = torch.cat([~roll.finished for roll, _ in drawn]).float()
+    zero_std = ~informative_groups(rewards, num_generations)
+    return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "frac_reward_zero_std": float(zero_std.float().mean()),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/clipped_ratio": float(truncated.mean()), "num_gen_batches": float(len(drawn))}
 
 
 class PolicyGradientTrainer:
@@ -162,6 +251,9 @@ class PolicyGradientTrainer:
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.config = config or PolicyGradientConfig()
         c = self.config
+        if c.num_seeds != 1:
+            raise ValueError(f"num_seeds={c.num_seeds}: several seeds advance together in "
+                             f"rlcourse.lm.seed_batched.SeedBatchedPolicyGradientTrainer; this trainer runs one")
         self.max_len = c.max_completion_length or task.max_new_tokens
         if c.beta > 0 and ref_model is None:
             ref_model = frozen_copy(model)
@@ -176,21 +268,11 @@ class PolicyGradientTrainer:
 
     # ------------------------------------------------------------------ pieces of one step
     def _logits_and_logprobs(self, model, b: _Batch):
-        logits = completion_logits(model, b.prompt_ids, b.completion_ids, b.prompt_mask, b.loss_mask)
-        logp = token_logprobs_from_logits(logits, b.completion_ids, self.config.temperature)
-        return logits, logp * b.loss_mask.to(logp.dtype)
+        return logits_and_logprobs(model, b, self.config.temperature)
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        if c.advantage_estimator == "grpo":
-            return group_advantages(rewards, c.num_generations, c.scale_rewards, c.std_floor)
-        if c.advantage_estimator == "rloo":
-            return leave_one_out_advantages(rewards, c.num_generations)
-        if c.advantage_estimator == "batch_mean":
-            return batch_mean_advantages(rewards)
-        baseline = self.baseline if self.baseline is not None else float(rewards.mean())
-        self.baseline = moving_average_baseline(self.baseline, rewards, c.baseline_decay)
-        return rewards - baseline                      # the baseline from *before* this batch
+        adv, self.baseline = advantages(self.config, rewards, self.baseline)
+        return adv
 
     def _draw(self, n_prompts: int):
         """One generation batch: ``n_prompts`` fresh prompts, ``num_generations`` completions each, scored."""
@@ -198,11 +280,7 @@ class PolicyGradientTrainer:
         prompts = [p for p in self.task.prompts(n_prompts, self.rng) for _ in range(c.num_generations)]
         roll = sample(self.model, self.tokenizer, prompts, self.max_len, temperature=c.temperature,
                       generator=self.generator)
-        rewards = torch.as_tensor(self.task.reward(prompts, roll.completions), dtype=torch.float32).to(self.device)
-        if rewards.shape != (len(prompts),) or not bool(torch.isfinite(rewards).all()):
-            raise ValueError(f"task.reward must return one finite reward per completion (no NaN, no +-inf), "
-                             f"got {rewards}")
-        return roll, rewards
+        return roll, checked_rewards(self.task, prompts, roll.completions, self.device)
 
     def _sample_groups(self):
         """The step's completions and rewards (refilled by dynamic sampling), and every draw made."""
@@ -214,24 +292,12 @@ class PolicyGradientTrainer:
         return fill_batch(lambda: self._draw(n_groups), n_groups, c.num_generations, c.max_num_gen_batches,
                           self.tokenizer.pad_token_id)
 
-    @staticmethod
-    def _draw_metrics(drawn, num_generations: int) -> dict:
-        """TRL's sampling metrics over every completion drawn this step (kept or not)."""
-        rewards = torch.cat([r for _, r in drawn])
-        lengths = torch.cat([roll.completion_mask.sum(1) for roll, _ in drawn]).float()
-        truncated = torch.cat([~roll.finished for roll, _ in drawn]).float()
-        zero_std = ~informative_groups(rewards, num_generations)
-        return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-                "frac_reward_zero_std": float(zero_std.float().mean()),
-                "completions/mean_length": float(lengths.mean()),
-                "completions/clipped_ratio": float(truncated.mean()), "num_gen_batches": float(len(drawn))}
-
     @torch.no_grad()
     def make_batch(self) -> _Batch:
         """Sample, score and compute advantages for one step's completions (``advantages`` None: skip)."""
         c = self.config
         roll, rewards, drawn = self._sample_groups()
-        metrics = self._draw_metrics(drawn, c.num_generations)
+        metrics = draw_metrics(drawn, c.num_generations)
         if roll is None:                         # dynamic sampling found no group with a signal
             return _Batch(metrics=metrics)
         mask = roll.completion_mask
@@ -252,27 +318,8 @@ class PolicyGradientTrainer:
         return b
 
     def _loss(self, b: _Batch):
-        c = self.config
         logits, logp = self._logits_and_logprobs(self.model, b)
-        old = b.old_logprobs if b.old_logprobs is not None else logp.detach()
-        mask = b.loss_mask
-        if c.loss_type == "rloo":
-            loss = rloo_loss(logp, old, b.advantages, mask, c.epsilon, c.epsilon_high)
-            ratio = torch.exp(((logp - old) * mask).sum(1, keepdim=True))
-        else:
-            beta = 0.0 if c.kl_in_reward else c.beta
-            per_token = per_token_loss(logp, old, b.advantages, mask, c.loss_type, c.epsilon, c.epsilon_high,
-                                       c.importance_sampling_level, beta, b.ref_logprobs, c.sapo_temperature_pos,
-                                       c.sapo_temperature_neg, c.use_bias_correction_kl)
-            loss = aggregate_loss(per_token, mask, c.loss_type, self.max_len)
-            ratio = importance_weights(logp, old, mask, c.importance_sampling_level).detach()
-        with torch.no_grad():
-            logp_full = torch.log_softmax(logits.float() / c.temperature, dim=-1)
-            stats = {"entropy": float(masked_mean(exact_entropy(logp_full), mask.bool())),
-                     **clip_fractions(ratio, b.advantages, mask, c.epsilon, c.epsilon_high)}
-            if b.ref_logprobs is not None:
-                stats["kl"] = float(masked_mean(kl_k3(logp.detach(), b.ref_logprobs), mask.bool()))
-        return loss, stats
+        return loss_and_stats(self.config, logits, logp, b, self.max_len)
 
     def step(self) -> dict:
         """One training step (sampling, then ``num_iterations`` optimiser steps); returns its metrics."""

@@ -80,6 +80,12 @@ class Rollout:
         """Mask of the whole ``[prompt | completion]`` sequence, (B, P + T)."""
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
 
+    def select(self, rows: slice) -> "Rollout":
+        """The rollout of ``rows`` only (one seed's block of a seed-batched rollout, say)."""
+        return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
+                       self.completion_mask[rows], self.logprobs[rows], self.completions[rows], self.prompts[rows],
+                       self.eos_token_id)
+
     @property
     def finished(self) -> torch.Tensor:
         """(B,) bool: the row produced ``<eos>`` (False when it was cut at ``max_new_tokens``)."""
@@ -156,7 +162,11 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
             kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         probs = F.softmax(scaled, dim=-1)
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        if isinstance(generator, (list, tuple)):   # a seed-stacked model: each seed's rows from its own stream
+            token = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in
+                               zip(probs.chunk(len(generator)), generator)]).squeeze(1)
+        else:
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
     return token, logp_all.gather(1, token.unsqueeze(1)).squeeze(1)
 
 
@@ -203,6 +213,24 @@ def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask:
     return texts
 
 
+def _distinct_prompts(prompts: list[str], num_seeds: int = 1) -> tuple[list[str], list[int]]:
+    """Each distinct prompt once, and the index of every prompt's copy: ``distinct[rows[i]] == prompts[i]``.
+
+    With ``num_seeds`` S > 1 the prompts are S seed-major blocks, each made distinct on its own (a
+    seed's prompts run through its own weights) and filled to the same count with copies of its
+    first prompt, so the distinct prompts are S equal blocks too.
+    """
+    size = len(prompts) // num_seeds
+    blocks = [list(dict.fromkeys(prompts[s * size:(s + 1) * size])) for s in range(num_seeds)]
+    width = max(len(b) for b in blocks)
+    distinct, rows = [], []
+    for s, block in enumerate(blocks):
+        where = {p: s * width + i for i, p in enumerate(block)}
+        rows += [where[p] for p in prompts[s * size:(s + 1) * size]]
+        distinct += block + block[:1] * (width - len(block))
+    return distinct, rows
+
+
 def _positive_int(n) -> bool:
     """An integer >= 1 (a NumPy integer counts; a bool or a float such as 4.0 does not)."""
     return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
@@ -242,18 +270,30 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
     if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
         raise ValueError(f"cpu_threads must be None or a positive integer, got {cpu_threads!r}")
     dev = next(model.parameters()).device
-    if generator is not None and generator.device.type != dev.type:
-        raise ValueError(f"generator must live on the model's device ({dev}), got one on "
-                         f"{generator.device}")
+    seeds = fast_gpt2.num_seeds(model)
+    if seeds is not None:
+        _check_prompts(prompts)
+        if len(prompts) % seeds:
+            raise ValueError(f"a model stacking {seeds} seeds samples {seeds} equal blocks of prompts, seed-major; "
+                             f"got {len(prompts)} prompts")
+        if generator is not None and (not isinstance(generator, (list, tuple)) or len(generator) != seeds):
+            raise ValueError(f"a model stacking {seeds} seeds needs a list of {seeds} generators (one stream per "
+                             f"seed) or None, got {generator!r}")
+        if engine == "hf":
+            raise ValueError("a seed-stacked model decodes with rlcourse.lm.fast_gpt2 only: engine='hf' runs the "
+                             "model's own forward, which holds no seed dimension")
+    for g in (generator if isinstance(generator, (list, tuple)) else [generator]):
+        if g is not None and g.device.type != dev.type:
+            raise ValueError(f"generator must live on the model's device ({dev}), got one on {g.device}")
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     if eos_id is None or pad_id is None:
         raise ValueError("tokenizer must define both eos_token and pad_token")
 
     # Tokenise and prefill each distinct prompt once (GRPO repeats every prompt K times).
     _check_prompts(prompts)
-    where = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
-    rows = torch.tensor([where[p] for p in prompts], dtype=torch.long, device=dev)
-    distinct_ids, distinct_mask = encode_prompts(tokenizer, list(where), dev)
+    distinct, rows = _distinct_prompts(list(prompts), seeds or 1)
+    rows = torch.tensor(rows, dtype=torch.long, device=dev)
+    distinct_ids, distinct_mask = encode_prompts(tokenizer, distinct, dev)
     prompt_ids, prompt_mask = distinct_ids[rows], distinct_mask[rows]
     batch = prompt_ids.shape[0]
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
