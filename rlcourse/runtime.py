@@ -62,6 +62,12 @@ def device(prefer: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def synchronize(dev: torch.device) -> None:
+    """Wait for ``dev``'s queued work (a no-op off CUDA): a timer must not stop before the GPU has."""
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def seed_everything(seed: int) -> np.random.Generator:
     """Seed Python, NumPy and torch (all devices); return a fresh NumPy ``Generator`` for ``seed``."""
     if not isinstance(seed, (int, np.integer)) or seed < 0:

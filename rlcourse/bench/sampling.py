@@ -29,7 +29,7 @@ import torch
 from rlcourse.lm import AdditionTask, build_char_tokenizer, make_model, sample, sequence_logprobs
 from rlcourse.lm.logprobs import position_ids_from_mask
 from rlcourse.lm.sampling import decode_threads, encode_prompts
-from rlcourse.runtime import describe, device
+from rlcourse.runtime import describe, device, synchronize
 
 
 @torch.no_grad()
@@ -42,11 +42,6 @@ def sample_without_cache(model, input_ids, attention_mask, new_tokens, generator
         input_ids = torch.cat([input_ids, token], 1)
         attention_mask = torch.cat([attention_mask, torch.ones_like(token)], 1)
     return input_ids
-
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main(argv: list[str]) -> int:
@@ -96,10 +91,10 @@ def main(argv: list[str]) -> int:
         fn()
     for _ in range(args.repeats):
         for name, fn in methods.items():
-            _sync(dev)
+            synchronize(dev)
             t0 = time.perf_counter()
             tokens[name] = fn()
-            _sync(dev)
+            synchronize(dev)
             times[name].append(time.perf_counter() - t0)
 
     # Sanity: the sampler's log-probs equal a fresh full forward pass.
