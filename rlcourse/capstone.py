@@ -16,8 +16,10 @@ valid answers stay. Every algorithm gets the same number of sampled completions 
 * RFT, rejection-sampling fine-tuning (best-of-n as a training method, a.k.a. expert iteration):
   sample, keep the valid answers, fine-tune on them, repeat.
 
-:func:`run` trains one (algorithm, seed) and evaluates along the way; :func:`compare` runs them all
-and :func:`summary` gives the table: mean and a 95% t-interval over seeds for each metric.
+:func:`run` trains one (algorithm, seed) and evaluates along the way; :func:`run_seeds` trains
+several seeds of one critic-free method together (:mod:`rlcourse.lm.seed_batched`); :func:`compare`
+runs them all and :func:`summary` gives the table: mean and a 95% t-interval over seeds for each
+metric. :func:`paired_difference` compares two methods seed by seed.
 """
 from __future__ import annotations
 
@@ -34,8 +36,8 @@ from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrai
 from rlcourse.lm.sft import train_sft
 from rlcourse.runtime import seed_everything
 
-__all__ = ["ALGORITHMS", "MODELS_HELD", "T975", "CapstoneConfig", "run", "compare", "summary", "t_interval",
-           "interval_above", "intervals_separate", "curve_band"]
+__all__ = ["ALGORITHMS", "MODELS_HELD", "SEED_BATCHED", "T975", "CapstoneConfig", "run", "run_seeds", "compare",
+           "summary", "t_interval", "interval_above", "intervals_separate", "paired_difference", "curve_band"]
 
 # name -> PolicyGradientConfig overrides (None: a trainer of its own)
 _PG = {
@@ -48,6 +50,9 @@ _PG = {
                  num_iterations=2, epsilon=3e-4, epsilon_high=4e-4),
 }
 ALGORITHMS = (*_PG, "PPO", "DPO", "RFT")
+# Trained several seeds at a time by compare(): the critic-free methods but DAPO, whose dynamic sampling
+# draws a different number of batches per seed, and DPO. PPO and RFT run one seed at a time.
+SEED_BATCHED = (*(name for name, settings in _PG.items() if not settings.get("dynamic_sampling")), "DPO")
 # Models a run holds in memory while training (policy, reference, critic...).
 MODELS_HELD = {**{name: 1 for name in _PG}, "PPO": 3, "DPO": 2, "RFT": 1}
 
@@ -74,10 +79,14 @@ def _evaluate(model, ref, tokenizer, task, cfg: CapstoneConfig, seed: int) -> di
     return {"validity": validity, "kl": kl, "distinct": task.distinct_valid(prompts, roll.completions)}
 
 
-def _pg_trainer(name, model, tokenizer, task, cfg, seed):
+def _pg_config(name, cfg, seed, num_seeds: int = 1) -> PolicyGradientConfig:
     settings = {"learning_rate": cfg.learning_rate, "per_device_train_batch_size": cfg.batch,
-                "num_generations": 8, "seed": seed, **_PG[name]}
-    trainer = PolicyGradientTrainer(model, tokenizer, task, PolicyGradientConfig(**settings))
+                "num_generations": 8, "seed": seed, "num_seeds": num_seeds, **_PG[name]}
+    return PolicyGradientConfig(**settings)
+
+
+def _pg_trainer(name, model, tokenizer, task, cfg, seed):
+    trainer = PolicyGradientTrainer(model, tokenizer, task, _pg_config(name, cfg, seed))
     # dynamic sampling (DAPO) may draw several generation batches per step: count every one of them
     return lambda: cfg.batch * int(trainer.step()["num_gen_batches"])
 
@@ -109,6 +118,12 @@ def _rft_trainer(model, tokenizer, task, cfg, seed):
     return step
 
 
+def _dpo_config(cfg: CapstoneConfig, seed: int) -> DPOConfig:
+    return DPOConfig(beta=0.1, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0], seed=seed,
+                     learning_rate=cfg.learning_rate, per_device_train_batch_size=32,
+                     num_train_epochs=2, lr_scheduler_type="constant", precompute_ref_log_probs=True)
+
+
 def _dpo_pairs(model, tokenizer, task, n_samples: int, seed: int) -> list[dict]:
     """Sample ``n_samples`` completions from the SFT model, 8 per prompt; pair valid with invalid ones."""
     rng = np.random.default_rng(seed)
@@ -124,6 +139,15 @@ def _dpo_pairs(model, tokenizer, task, n_samples: int, seed: int) -> list[dict]:
     return pairs
 
 
+def _checked(algorithm: str, cfg: CapstoneConfig | None) -> CapstoneConfig:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    cfg = cfg or CapstoneConfig()
+    if cfg.budget < cfg.batch:
+        raise ValueError(f"budget ({cfg.budget}) must be at least one batch ({cfg.batch})")
+    return cfg
+
+
 def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=None) -> dict:
     """Train one algorithm from the checkpoint; return its learning curve and costs.
 
@@ -131,11 +155,7 @@ def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=Non
     ``validity``, ``kl`` and ``distinct``. Also ``models_held``, ``parameters`` (of one model),
     ``completions_per_second`` and, on CUDA, ``peak_memory_mb``.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    cfg = cfg or CapstoneConfig()
-    if cfg.budget < cfg.batch:
-        raise ValueError(f"budget ({cfg.budget}) must be at least one batch ({cfg.batch})")
+    cfg = _checked(algorithm, cfg)
     seed_everything(seed)
     task = DigitSumTask()
     model, tokenizer = load_checkpoint(cfg.checkpoint, device=device)
@@ -149,10 +169,7 @@ def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=Non
     if algorithm == "DPO":  # offline: the whole budget is sampled first, then trained on
         start = time.perf_counter()
         pairs = _dpo_pairs(model, tokenizer, task, cfg.budget, seed)
-        args = DPOConfig(beta=0.1, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0], seed=seed,
-                         learning_rate=cfg.learning_rate, per_device_train_batch_size=32,
-                         num_train_epochs=2, lr_scheduler_type="constant", precompute_ref_log_probs=True)
-        train_dpo(model, tokenizer, pairs, args, ref_model=ref, progress=False)
+        train_dpo(model, tokenizer, pairs, _dpo_config(cfg, seed), ref_model=ref, progress=False)
         samples, seconds = cfg.budget, time.perf_counter() - start
         curve.append({"samples": samples, "seconds": seconds, **_evaluate(model, ref, tokenizer, task, cfg, seed)})
     else:
@@ -175,17 +192,83 @@ def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=Non
     return out
 
 
+def run_seeds(algorithm: str, seeds, cfg: CapstoneConfig | None = None, device=None) -> list[dict]:
+    """:func:`run` for several seeds of one method of ``SEED_BATCHED``, trained together in one stacked model.
+
+    Seed ``s`` is the run :func:`run` would make (the same prompts and sampling streams; its
+    trajectory matches to float rounding). One result per seed, as :func:`run` returns it, with
+    ``seeds_batched`` added; its ``seconds`` are the shared training time divided by the number of
+    seeds (the cost of one seed when seeds are trained together).
+    """
+    from rlcourse.lm.seed_batched import SeedBatchedPolicyGradientTrainer
+
+    cfg = _checked(algorithm, cfg)
+    if algorithm not in SEED_BATCHED:
+        raise ValueError(f"run_seeds trains the methods of SEED_BATCHED {SEED_BATCHED}, got {algorithm!r}: use run()")
+    seeds = [int(s) for s in seeds]
+    task = DigitSumTask()
+    model, tokenizer = load_checkpoint(cfg.checkpoint, device=device)
+    ref, _ = load_checkpoint(cfg.checkpoint, device=device)
+    if algorithm == "DPO":
+        return _dpo_seeds(model, ref, tokenizer, task, seeds, cfg)
+    trainer = SeedBatchedPolicyGradientTrainer(model, tokenizer, task, _pg_config(algorithm, cfg, seeds[0], len(seeds)),
+                                               seeds=seeds)
+    curves = [[{"samples": 0, "seconds": 0.0, **_evaluate(model, ref, tokenizer, task, cfg, s)}] for s in seeds]
+    marks = [round(cfg.budget * (k + 1) / cfg.eval_points) for k in range(cfg.eval_points)]
+    samples, seconds = 0, 0.0
+    while samples < cfg.budget:
+        start = time.perf_counter()
+        trainer.step()
+        samples += cfg.batch             # completions each seed drew in this step
+        seconds += time.perf_counter() - start
+        if marks and samples >= marks[0]:
+            marks.pop(0)
+            for i, s in enumerate(seeds):
+                curves[i].append({"samples": samples, "seconds": seconds / len(seeds),
+                                  **_evaluate(trainer.model_of(i), ref, tokenizer, task, cfg, s)})
+    return [{"algorithm": algorithm, "seed": s, "curve": curve, "models_held": MODELS_HELD[algorithm],
+             "parameters": sum(p.numel() for p in model.parameters()), "seeds_batched": len(seeds),
+             "completions_per_second": samples * len(seeds) / max(seconds, 1e-9)} for s, curve in zip(seeds, curves)]
+
+
+def _dpo_seeds(model, ref, tokenizer, task, seeds: list[int], cfg: CapstoneConfig) -> list[dict]:
+    """DPO's :func:`run_seeds`: each seed's offline pairs sampled as :func:`run` samples them, then one
+    seed-batched training (:func:`rlcourse.lm.seed_batched_dpo.train_dpo_seeds`)."""
+    import copy
+
+    from rlcourse.lm.seed_batched_dpo import train_dpo_seeds
+
+    starts = [{"samples": 0, "seconds": 0.0, **_evaluate(model, ref, tokenizer, task, cfg, s)} for s in seeds]
+    start = time.perf_counter()
+    pairs = [_dpo_pairs(model, tokenizer, task, cfg.budget, s) for s in seeds]
+    models = [copy.deepcopy(model) for _ in seeds]
+    train_dpo_seeds(models, tokenizer, pairs, _dpo_config(cfg, seeds[0]), seeds=seeds, ref_models=[ref] * len(seeds),
+                    progress=False)
+    seconds = (time.perf_counter() - start) / len(seeds)
+    return [{"algorithm": "DPO", "seed": s, "models_held": MODELS_HELD["DPO"], "seeds_batched": len(seeds),
+             "parameters": sum(p.numel() for p in model.parameters()), "completions_per_second": cfg.budget / seconds,
+             "curve": [first, {"samples": cfg.budget, "seconds": seconds, **_evaluate(m, ref, tokenizer, task, cfg, s)}]}
+            for s, first, m in zip(seeds, starts, models)]
+
+
 def compare(algorithms=ALGORITHMS, seeds=(0, 1, 2), cfg: CapstoneConfig | None = None, progress: bool = True,
-            device=None) -> list[dict]:
-    """:func:`run` for every (algorithm, seed); a tqdm bar names the run in progress."""
+            device=None, batch_seeds: bool = True) -> list[dict]:
+    """Every (algorithm, seed): :func:`run_seeds` for ``SEED_BATCHED`` methods (with ``batch_seeds``),
+    :func:`run` one seed at a time for the others. A tqdm bar names the run in progress."""
     from tqdm.auto import tqdm
 
-    jobs = [(a, s) for a in algorithms for s in seeds]
     results = []
-    with tqdm(jobs, disable=not progress, desc="capstone") as bar:
-        for algorithm, seed in bar:
-            bar.set_postfix_str(f"{algorithm}, seed {seed}")
-            results.append(run(algorithm, seed, cfg, device=device))
+    with tqdm(total=len(algorithms) * len(seeds), disable=not progress, desc="capstone") as bar:
+        for algorithm in algorithms:
+            if batch_seeds and algorithm in SEED_BATCHED and len(seeds) > 1:
+                bar.set_postfix_str(f"{algorithm}, {len(seeds)} seeds together")
+                results += run_seeds(algorithm, seeds, cfg, device=device)
+                bar.update(len(seeds))
+                continue
+            for seed in seeds:
+                bar.set_postfix_str(f"{algorithm}, seed {seed}")
+                results.append(run(algorithm, seed, cfg, device=device))
+                bar.update(1)
     return results
 
 
@@ -219,6 +302,20 @@ def interval_above(a, b) -> bool:
 def intervals_separate(a, b) -> bool:
     """Whether two ``(mean, half_width)`` intervals do not overlap (either one above the other)."""
     return interval_above(a, b) or interval_above(b, a)
+
+
+def paired_difference(results: list[dict], a: str, b: str, key: str = "validity") -> tuple[float, float]:
+    """``a`` minus ``b`` seed by seed: the 95% t-interval of ``final_a(s) - final_b(s)`` over their shared seeds.
+
+    Pairing removes what two runs of one seed share (here the seed's evaluation draws), so a
+    difference can be resolved with fewer seeds than two separate intervals need. The difference
+    is resolved when its interval excludes 0.
+    """
+    final = {(r["algorithm"], r["seed"]): r["curve"][-1][key] for r in results}
+    shared = sorted({s for (alg, s) in final if alg == a} & {s for (alg, s) in final if alg == b})
+    if len(shared) < 2:
+        raise ValueError(f"{a!r} and {b!r} need at least 2 shared seeds in results, got {shared}")
+    return t_interval([final[(a, s)] - final[(b, s)] for s in shared])
 
 
 def curve_band(results: list[dict], algorithm: str, x: str = "samples", y: str = "validity"):

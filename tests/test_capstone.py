@@ -78,3 +78,41 @@ def test_bad_algorithm_or_budget_raises_naming_the_argument():
     with pytest.raises(ValueError, match="at least 2 seeds"):
         curve_band([], "RLOO")
     assert set(ALGORITHMS) == set(MODELS_HELD)
+
+
+def test_run_seeds_gives_each_seed_the_run_of_that_seed_alone():
+    """The seed-batched capstone run equals run() seed by seed (the same draws; evaluations agree)."""
+    from rlcourse.capstone import SEED_BATCHED, run_seeds
+
+    assert "DAPO" not in SEED_BATCHED and {"REINFORCE", "GSPO", "DPO"} <= set(SEED_BATCHED)
+    cfg = CapstoneConfig(budget=192, eval_points=2)
+    for algorithm in ("REINFORCE", "GSPO", "DPO"):
+        together = run_seeds(algorithm, [3, 1], cfg)
+        for r, seed in zip(together, (3, 1)):
+            alone = run(algorithm, seed, cfg)
+            assert r["seed"] == seed and r["seeds_batched"] == 2 and r["algorithm"] == algorithm
+            assert [p["samples"] for p in r["curve"]] == [p["samples"] for p in alone["curve"]]
+            for a, b in zip(r["curve"], alone["curve"]):
+                assert a["validity"] == pytest.approx(b["validity"], abs=0.02)
+    with pytest.raises(ValueError, match="SEED_BATCHED"):
+        run_seeds("PPO", [0, 1], cfg)
+
+
+def test_paired_difference_is_the_t_interval_of_seedwise_differences():
+    from rlcourse.capstone import paired_difference
+
+    def result(algorithm, seed, v):
+        return {"algorithm": algorithm, "seed": seed, "curve": [{"validity": 0.0}, {"validity": v}]}
+
+    a = [0.6, 0.7, 0.65, 0.8]
+    b = [0.5, 0.66, 0.6, 0.7]
+    results = [result("A", s, v) for s, v in enumerate(a)] + [result("B", s, v) for s, v in enumerate(b)]
+    results.append(result("B", 9, 0.1))                         # a seed A never ran: not paired
+    mean, half = paired_difference(results, "A", "B")
+    d = np.subtract(a, b)
+    assert mean == pytest.approx(d.mean())
+    assert half == pytest.approx(3.182 * d.std(ddof=1) / 2)
+    # the separate intervals overlap where the paired one excludes 0: the shared part of each seed cancels
+    assert not intervals_separate(t_interval(a), t_interval(b)) and abs(mean) > half
+    with pytest.raises(ValueError, match="shared seeds"):
+        paired_difference(results[:1] + results[4:5], "A", "B")

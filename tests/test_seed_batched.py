@@ -18,24 +18,12 @@ from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrai
 from rlcourse.lm.seed_batch import SeedAdam, clip_grad_norm_per_seed, seed_model, stack_models
 from rlcourse.lm.seed_batched import SeedBatchedPolicyGradientTrainer
 from rlcourse.losses import GRPO_LOSS_TYPES
+from seed_helpers import perturbed_copies, relative_error
 
 
 @pytest.fixture(scope="module")
 def checkpoint():
     return load_checkpoint("addition-partial", device="cpu")
-
-
-def _perturbed(model, seeds, dtype=torch.float32, scale=0.05):
-    """One copy of ``model`` per seed, each moved by its own noise (so that a mix-up would show)."""
-    out = []
-    for s in seeds:
-        m = copy.deepcopy(model).to(dtype).eval()
-        g = torch.Generator().manual_seed(100 + s)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(scale * torch.randn(p.shape, generator=g, dtype=dtype))
-        out.append(m)
-    return out
 
 
 def _prompts(task, seeds, n=3, k=4):
@@ -44,15 +32,11 @@ def _prompts(task, seeds, n=3, k=4):
     return blocks
 
 
-def _relative(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
-
-
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
 def test_stacked_forward_and_gradients_equal_each_seeds_own_model(checkpoint, dtype, tol):
     model, tok = checkpoint
     task, seeds = AdditionTask(), [0, 1, 2]
-    models = _perturbed(model, seeds, dtype)
+    models = perturbed_copies(model, seeds, dtype)
     stack = stack_models(models)
     blocks = _prompts(task, seeds)
     roll = sample(models[0], tok, [p for b in blocks for p in b], task.max_new_tokens,
@@ -67,18 +51,18 @@ def test_stacked_forward_and_gradients_equal_each_seeds_own_model(checkpoint, dt
     for s, m in enumerate(models):
         rows = slice(s * size, (s + 1) * size)
         alone = completion_logits(m, *(a[rows] for a in args))
-        assert _relative(logits[rows].detach(), alone.detach()) < tol
+        assert relative_error(logits[rows].detach(), alone.detach()) < tol
         (alone * weight[rows]).sum().backward()
         stacked = dict(stack.named_parameters())
         for name, p in m.named_parameters():
-            assert _relative(stacked[name].grad[s], p.grad) < tol, (s, name)
+            assert relative_error(stacked[name].grad[s], p.grad) < tol, (s, name)
 
 
 @pytest.mark.parametrize("engine", ["lean", "static"])
 def test_stacked_sampler_draws_what_each_seed_draws_alone(checkpoint, engine):
     model, tok = checkpoint
     task, seeds = AdditionTask(), [0, 1, 2]
-    models = _perturbed(model, seeds)
+    models = perturbed_copies(model, seeds)
     blocks = _prompts(task, seeds)
     together = sample(stack_models(models), tok, [p for b in blocks for p in b], task.max_new_tokens,
                       generator=[torch.Generator().manual_seed(10 + s) for s in seeds], engine=engine)
@@ -95,7 +79,7 @@ def test_stacked_sampler_draws_what_each_seed_draws_alone(checkpoint, engine):
 
 def test_a_seed_copied_out_is_that_seeds_model(checkpoint):
     model, tok = checkpoint
-    models = _perturbed(model, [0, 1])
+    models = perturbed_copies(model, [0, 1])
     stack = stack_models(models)
     back = seed_model(stack, 1)
     assert type(back).__name__ == "GPT2LMHeadModel"
@@ -145,7 +129,7 @@ def test_given_the_same_completions_each_seeds_loss_and_gradient_are_its_own_run
     model, tok = checkpoint
     seeds, task = [3, 4, 5], AdditionTask()
     config = {"per_device_train_batch_size": 12, "num_generations": 4, "num_iterations": 2, **settings}
-    models = _perturbed(model, seeds, dtype)
+    models = perturbed_copies(model, seeds, dtype)
     singles = [PolicyGradientTrainer(copy.deepcopy(m), tok, task, PolicyGradientConfig(seed=s, **config))
                for m, s in zip(models, seeds)]
     batches = [t.make_batch() for t in singles]
@@ -172,7 +156,7 @@ def test_given_the_same_completions_each_seeds_loss_and_gradient_are_its_own_run
         mine, theirs = float(losses[s].detach()), float(loss.detach())
         assert abs(mine - theirs) <= tol * max(1.0, abs(theirs)), (s, mine, theirs)
         for name, p in t.model.named_parameters():
-            assert _relative(stacked[name].grad[s], p.grad) < tol, (s, name)
+            assert relative_error(stacked[name].grad[s], p.grad) < tol, (s, name)
 
 
 def test_seed_adam_and_clipping_are_each_seeds_own(checkpoint):
@@ -199,7 +183,7 @@ def test_seed_adam_and_clipping_are_each_seeds_own(checkpoint):
                 adams[s].step()
     for i in range(len(shapes)):
         for s in range(3):
-            assert _relative(stacked[i].detach()[s], singles[s][i].detach()) < 1e-6, (i, s)
+            assert relative_error(stacked[i].detach()[s], singles[s][i].detach()) < 1e-6, (i, s)
 
 
 def test_a_batched_seed_follows_the_single_seed_run_step_by_step(checkpoint):

@@ -1,13 +1,15 @@
 """capstone: every LM algorithm of the course on DigitSumTask with one sample budget; the summary table.
 
-    python -m rlcourse.bench capstone [--budget 8192] [--seeds 3] [--eval-points 4] [--threads 2]
+    python -m rlcourse.bench capstone [--budget 8192] [--seeds 8] [--eval-points 4] [--threads 2]
 
-Each algorithm runs all its seeds in a fresh worker process, so its peak memory is its own: on
+Each algorithm runs all its seeds in a fresh worker process, so its peak memory is its own (the
+methods of ``SEED_BATCHED`` train their seeds together, as the lesson does): on
 CUDA ``max_memory_allocated``, on CPU the worker's resident set size (sampled every 2 ms) above its
 level just before the first run started (models, optimiser state, activations). Every algorithm
 starts from ``digitsum-sft`` and draws ``budget`` completions; the peer of every method is the SFT
 start and RFT (rejection-sampling fine-tuning, the best-of-n baseline). Validity, KL and distinct
-valid answers per target are final values, mean +/- 95% t half-width over seeds.
+valid answers per target are final values, mean +/- 95% t half-width over seeds; pairs of methods
+are also compared seed by seed (:func:`rlcourse.capstone.paired_difference`).
 
 DPO's peak is its offline sampling: ``budget`` completions drawn from the SFT model in one batch
 before training, so its memory grows with the budget while the online methods' grows with ``batch``.
@@ -23,7 +25,8 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.bench._memory import RSSWatcher
-from rlcourse.capstone import ALGORITHMS, CapstoneConfig, interval_above, run, summary, t_interval
+from rlcourse.capstone import (ALGORITHMS, CapstoneConfig, compare, interval_above, paired_difference, summary,
+                               t_interval)
 from rlcourse.runtime import describe, device
 
 
@@ -32,7 +35,7 @@ def _run_algorithm(algorithm: str, seeds: list[int], cfg: CapstoneConfig, thread
     torch.set_num_threads(threads)
     dev = device()
     with RSSWatcher() as watcher:
-        results = [run(algorithm, seed, cfg, device=dev) for seed in seeds]
+        results = compare([algorithm], seeds, cfg, progress=False, device=dev)
     if dev.type == "cuda":
         return results, max(r["peak_memory_mb"] for r in results)
     return results, (watcher.peak - watcher.base) / 2**20
@@ -45,7 +48,7 @@ def _cell(pair, digits=3):
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlcourse.bench capstone", description=__doc__.split("\n")[0])
     parser.add_argument("--budget", type=int, default=8192, help="sampled completions per run")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per algorithm (at least 2)")
+    parser.add_argument("--seeds", type=int, default=8, help="seeds per algorithm (at least 2)")
     parser.add_argument("--eval-points", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
@@ -84,4 +87,13 @@ def main(argv: list[str]) -> int:
     validity = {row["algorithm"]: row["validity"] for row in rows}
     pairs = [f"{a} > {b}" for a in validity for b in validity if interval_above(validity[a], validity[b])]
     print("pairs whose 95% intervals separate:", ", ".join(pairs) or "none")
+    paired = []
+    for i, a in enumerate(validity):
+        for b in list(validity)[i + 1:]:
+            mean, half = paired_difference(results, a, b)
+            if abs(mean) > half:
+                paired.append(f"{a} > {b}" if mean > 0 else f"{b} > {a}")
+    n_pairs = len(validity) * (len(validity) - 1) // 2
+    print(f"pairs resolved seed by seed (paired 95% interval excludes 0), {len(paired)} of {n_pairs}:",
+          ", ".join(paired) or "none")
     return 0

@@ -36,8 +36,8 @@ from rlcourse.lm.reward_model import encode_preference_pairs
 from rlcourse.lm.sampling import sample
 from rlcourse.lm.tokenizer import check_encodable
 
-__all__ = ["DPOConfig", "check_preference_pairs", "select_pairs", "pair_token_logprobs", "dpo_metrics", "train_dpo",
-           "reward_and_kl"]
+__all__ = ["DPOConfig", "check_preference_pairs", "select_pairs", "pair_token_logprobs", "batch_loss", "dpo_metrics",
+           "train_dpo", "reward_and_kl"]
 
 
 @dataclass
@@ -140,6 +140,20 @@ def dpo_metrics(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_log
                 "logps/rejected": rejected_logps.detach().mean().item()}
 
 
+def batch_loss(args: DPOConfig, chosen_tok: torch.Tensor, rejected_tok: torch.Tensor, completion_mask: torch.Tensor,
+               ref_chosen: torch.Tensor, ref_rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batch's DPO loss (:func:`rlcourse.losses.dpo.preference_loss` with ``args``' settings), and the
+    chosen and rejected sequence log-probs it used. ``completion_mask`` is the batch's, chosen rows first."""
+    chosen_mask, rejected_mask = completion_mask.chunk(2, dim=0)
+    chosen_logps, rejected_logps = chosen_tok.sum(-1), rejected_tok.sum(-1)
+    loss = preference_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, beta=args.beta,
+                           loss_type=args.loss_types, loss_weights=args.loss_weights,
+                           label_smoothing=args.label_smoothing,
+                           chosen_lengths=chosen_mask.sum(1), rejected_lengths=rejected_mask.sum(1),
+                           chosen_token_logps=chosen_tok, chosen_mask=chosen_mask)
+    return loss, chosen_logps, rejected_logps
+
+
 @torch.no_grad()
 def _reference_logps(ref_model, batch: dict, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence log-probs (B,) of chosen and rejected under the reference, in chunks."""
@@ -195,18 +209,13 @@ def train_dpo(model, tokenizer, pairs: list[dict], args: DPOConfig | None = None
             order = torch.randperm(n, generator=gen)
         idx, order = order[:bs].to(dev), order[bs:]
         batch = select_pairs(data, idx)   # padding-only columns dropped: a shorter forward, same numbers
-        chosen_mask, rejected_mask = batch["completion_mask"].chunk(2, dim=0)
         chosen_tok, rejected_tok = pair_token_logprobs(model, batch)
-        chosen_logps, rejected_logps = chosen_tok.sum(-1), rejected_tok.sum(-1)
         if ref_table is not None:
             ref_chosen, ref_rejected = ref_table[0][idx], ref_table[1][idx]
         else:
             ref_chosen, ref_rejected = _reference_logps(ref_model, batch, bs)
-        loss = preference_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, beta=args.beta,
-                               loss_type=args.loss_types, loss_weights=args.loss_weights,
-                               label_smoothing=args.label_smoothing,
-                               chosen_lengths=chosen_mask.sum(1), rejected_lengths=rejected_mask.sum(1),
-                               chosen_token_logps=chosen_tok, chosen_mask=chosen_mask)
+        loss, chosen_logps, rejected_logps = batch_loss(args, chosen_tok, rejected_tok, batch["completion_mask"],
+                                                        ref_chosen, ref_rejected)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"DPO loss is {loss.item()} at step {step}: lower learning_rate or check the data")
         opt.zero_grad(set_to_none=True)

@@ -125,7 +125,10 @@ class SeedAdam:
 
     Adam is elementwise, so a stack of S seeds is S independent Adams as long as each seed counts
     its own steps: ``step(active)`` updates only the seeds where ``active`` is True (a seed whose
-    batch had nothing to learn from keeps its weights, moments and count).
+    batch had nothing to learn from keeps its weights, moments and count). ``step(lr=...)`` takes
+    one learning rate per seed (each seed's own schedule). ``weight_decay`` is AdamW's decoupled
+    decay (Loshchilov and Hutter, arXiv 1711.05101), ``p <- p (1 - lr weight_decay)`` before the
+    update, as ``torch.optim.AdamW`` applies it.
 
     Why the parameters move: at construction every parameter (S, ...) is re-homed into one (S, N)
     buffer, seed-major (``p.data`` becomes a view of it), and so is its gradient. The update and
@@ -134,13 +137,15 @@ class SeedAdam:
     :meth:`zero_grad` (backward adds into the buffer).
     """
 
-    def __init__(self, parameters, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+    def __init__(self, parameters, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
         self.params = [p for p in parameters if p.requires_grad]
         if not self.params:
             raise ValueError("parameters holds no parameter that requires a gradient")
-        if not lr > 0 or not eps > 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"need lr > 0, eps > 0 and betas in [0, 1), got lr={lr!r}, betas={betas!r}, eps={eps!r}")
-        self.lr, self.betas, self.eps = lr, betas, eps
+        if not lr > 0 or not eps > 0 or not all(0 <= b < 1 for b in betas) or not weight_decay >= 0:
+            raise ValueError(f"need lr > 0, eps > 0, betas in [0, 1) and weight_decay >= 0, got lr={lr!r}, "
+                             f"betas={betas!r}, eps={eps!r}, weight_decay={weight_decay!r}")
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.seeds = self.params[0].shape[0]
         if any(p.dim() < 1 or p.shape[0] != self.seeds for p in self.params):
             raise ValueError(f"every parameter must be seed-stacked with {self.seeds} seeds first")
@@ -187,21 +192,24 @@ class SeedAdam:
         return self.flat_grad
 
     @torch.no_grad()
-    def step(self, active: torch.Tensor | None = None) -> None:
+    def step(self, active: torch.Tensor | None = None, lr=None) -> None:
         active = (torch.ones(self.seeds, dtype=torch.bool) if active is None
                   else torch.as_tensor(active, dtype=torch.bool).cpu())
         if active.shape != (self.seeds,):
             raise ValueError(f"active must be ({self.seeds},) booleans, one per seed, got shape {tuple(active.shape)}")
+        lrs = torch.as_tensor(self.lr if lr is None else lr, dtype=torch.float64).expand(self.seeds)
         if not bool(active.any()):
             return
         beta1, beta2 = self.betas
         self.steps += active.double()
         t = self.steps.clamp(min=1)
         dev, dtype = self.flat.device, self.flat.dtype
-        step_size = (self.lr / (1 - beta1 ** t)).to(dev, dtype)[:, None]
+        step_size = (lrs / (1 - beta1 ** t)).to(dev, dtype)[:, None]
         root_bias2 = (1 - beta2 ** t).sqrt().to(dev, dtype)[:, None]
         rows = slice(None) if bool(active.all()) else active.nonzero().squeeze(1).to(dev)
         p, m, v, g = self.flat, self.exp_avg, self.exp_avg_sq, self.flat_grad
+        if self.weight_decay:
+            p[rows] = p[rows] * (1 - lrs.to(dev, dtype)[:, None][rows] * self.weight_decay)
         if isinstance(rows, slice):         # every seed steps: in place, a few kernels in all
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)

@@ -1,0 +1,172 @@
+"""S independent DPO runs in one stacked GPT-2: :func:`train_dpo_seeds` is :func:`rlcourse.lm.dpo.train_dpo` for many seeds.
+
+Seed ``s`` is the run ``train_dpo(models[s], tokenizer, pairs[s], args with seed=seeds[s])`` would
+make: its own pairs, shuffle order, step count, learning-rate schedule, AdamW state and metrics.
+What the seeds share is each step's forward and backward pass (:mod:`rlcourse.lm.seed_batch`):
+
+    for step in 1 .. max_s steps_s:
+        for every seed s still training: its next minibatch of pairs (a fresh shuffle each epoch)
+        log pi(y|x) of every seed's chosen and rejected rows            # one forward, stacked model
+        L = sum_s batch_loss(seed s's rows)                               # rlcourse.lm.dpo.batch_loss
+        one backward; each seed's gradient clipped; one AdamW step per seed at its own learning rate
+
+A stacked forward needs the same number of rows from every seed, so a seed whose minibatch is
+shorter (the last of an epoch) is filled with copies of its first pair, and a seed that has
+finished (fewer pairs, fewer steps) keeps a dummy minibatch; neither enters its loss, and a
+finished seed's weights and optimiser state do not move.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from rlcourse.lm.dpo import (DPOConfig, _reference_logps, batch_loss, check_preference_pairs, dpo_metrics,
+                             select_pairs)
+from rlcourse.lm.fast_gpt2 import supports
+from rlcourse.lm.logprobs import sequence_logprobs
+from rlcourse.lm.model import frozen_copy
+from rlcourse.lm.reward_model import encode_preference_pairs
+from rlcourse.lm.seed_batch import SeedAdam, stack_models
+
+__all__ = ["train_dpo_seeds", "seed_losses"]
+
+_KEYS = ["loss", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+         "logps/chosen", "logps/rejected"]
+
+
+def _joint(batches: list[dict], pad_id: int) -> dict:
+    """Seed batches of equal row counts as one seed-major batch: prompts left-padded, completions right-padded."""
+    prompt_cols = max(b["prompt_ids"].shape[1] for b in batches)
+    completion_cols = max(b["completion_ids"].shape[1] for b in batches)
+    out = {}
+    for key, cols, left, value in (("prompt_ids", prompt_cols, True, pad_id), ("prompt_mask", prompt_cols, True, 0),
+                                   ("completion_ids", completion_cols, False, pad_id),
+                                   ("completion_mask", completion_cols, False, 0)):
+        parts = []
+        for b in batches:
+            missing = cols - b[key].shape[1]
+            parts.append(F.pad(b[key], (missing, 0) if left else (0, missing), value=value))
+        out[key] = torch.cat(parts)
+    return out
+
+
+def _filled(batch: dict, rows: int) -> dict:
+    """``batch`` (chosen rows, then rejected rows) with its first pair repeated up to ``rows`` pairs."""
+    n = batch["prompt_ids"].shape[0] // 2
+    if n == rows:
+        return batch
+    pick = torch.cat([torch.arange(n), torch.zeros(rows - n, dtype=torch.long)])
+    pick = torch.cat([pick, pick + n]).to(batch["prompt_ids"].device)
+    return {k: v[pick] for k, v in batch.items()}
+
+
+def seed_losses(stack, args: DPOConfig, data: list[dict], picked: list[torch.Tensor], tables, active,
+                pad_id: int) -> dict:
+    """Each active seed's DPO loss on its pairs ``picked[s]`` of ``data[s]``, from one stacked forward.
+
+    ``tables[s]`` holds seed ``s``'s reference log-probs of every pair (chosen, rejected). Returns
+    ``{s: (loss, chosen_logps, rejected_logps)}`` (:func:`rlcourse.lm.dpo.batch_loss`).
+    """
+    dev = data[0]["prompt_ids"].device
+    batches = [select_pairs(d, idx.to(dev)) for d, idx in zip(data, picked)]
+    rows = max(len(idx) for idx in picked)
+    joint = _joint([_filled(b, rows) for b in batches], pad_id)
+    tok = sequence_logprobs(stack, joint["prompt_ids"], joint["completion_ids"], joint["completion_mask"],
+                            joint["prompt_mask"])
+    out = {}
+    for s in range(len(data)):
+        if not active[s]:
+            continue
+        n, start = len(picked[s]), s * 2 * rows       # seed s's block: its chosen rows, then its rejected rows
+        both = torch.cat([torch.arange(start, start + n), torch.arange(start + rows, start + rows + n)]).to(dev)
+        chosen_tok, rejected_tok = tok[both].chunk(2, dim=0)
+        ref_chosen, ref_rejected = (t[picked[s].to(dev)] for t in tables[s])
+        out[s] = batch_loss(args, chosen_tok, rejected_tok, joint["completion_mask"][both], ref_chosen, ref_rejected)
+    return out
+
+
+def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | None = None, seeds=None, ref_models=None,
+                    progress: bool = True) -> list[dict]:
+    """Train every ``models[s]`` in place by DPO on ``pairs[s]`` with seed ``seeds[s]``; one history per seed.
+
+    ``models``: plain GPT-2 models (:func:`rlcourse.lm.fast_gpt2.supports`), one per seed.
+    ``pairs``: one list of ``{"prompt", "chosen", "rejected"}`` pairs for every seed, or one list
+    per seed. ``seeds`` (default ``args.seed + s``) seed each run's shuffles. ``ref_models`` default
+    to frozen copies of the models as they are now. Histories are :func:`rlcourse.lm.dpo.train_dpo`'s,
+    ``seconds`` being the shared training time divided by the seeds. The reference log-probs are
+    computed once up front (as ``train_dpo`` does with ``precompute_ref_log_probs``).
+    """
+    args = args or DPOConfig()
+    models = list(models)
+    S = len(models)
+    for i, m in enumerate(models):
+        if not supports(m):
+            raise ValueError(f"models[{i}] is not a plain GPT-2 model (rlcourse.lm.fast_gpt2.supports): use train_dpo")
+    if not pairs or not isinstance(pairs[0], (list, tuple)):
+        pairs = [pairs] * S
+    if len(pairs) != S:
+        raise ValueError(f"pairs must be one list of pairs or one per model ({S}), got {len(pairs)} lists")
+    seeds = [args.seed + s for s in range(S)] if seeds is None else [int(s) for s in seeds]
+    if len(seeds) != S:
+        raise ValueError(f"seeds must hold one seed per model ({S}), got {seeds}")
+    refs = [frozen_copy(m) for m in models] if ref_models is None else list(ref_models)
+    dev = next(models[0].parameters()).device
+    for p in pairs:
+        check_preference_pairs(tokenizer, p)
+    data = [encode_preference_pairs(tokenizer, p, dev) for p in pairs]
+    bs = args.per_device_train_batch_size
+    steps = [args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * math.ceil(len(p) / bs))
+             for p in pairs]
+    # The reference log-probs of every pair, once (what train_dpo does with precompute_ref_log_probs).
+    tables = [_reference_logps(r.eval(), d, max(bs, 64)) for r, d in zip(refs, data)]
+
+    stack = stack_models(models)
+    opt = SeedAdam(stack.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    orders = [torch.empty(0, dtype=torch.long) for _ in seeds]
+    histories = [{"step": [], **{k: [] for k in _KEYS}} for _ in seeds]
+    start = time.perf_counter()
+    bar = tqdm(range(max(steps)), desc=f"DPO x{S} seeds ({'+'.join(args.loss_types)}, beta={args.beta})",
+               disable=not progress)
+    for step in bar:
+        active = torch.tensor([step < n for n in steps])
+        picked = []
+        for s in range(S):
+            if not active[s]:
+                picked.append(torch.arange(min(bs, len(pairs[s]))))   # a dummy minibatch: never in a loss
+                continue
+            if orders[s].numel() == 0:                                # a new epoch: a fresh shuffle
+                orders[s] = torch.randperm(len(pairs[s]), generator=gens[s])
+            picked.append(orders[s][:bs])
+            orders[s] = orders[s][bs:]
+        losses = seed_losses(stack, args, data, picked, tables, active, tokenizer.pad_token_id)
+        for s, (loss, _, _) in losses.items():
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"DPO loss of seed {seeds[s]} is {loss.item()} at step {step}: lower "
+                                         f"learning_rate or check the data")
+        lrs = [args.learning_rate * ((1.0 - step / n) if args.lr_scheduler_type == "linear" else 1.0) for n in steps]
+        opt.zero_grad()
+        opt.backward(sum(loss for loss, _, _ in losses.values()))
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            opt.clip_grad_norm_(args.max_grad_norm)
+        opt.step(active, lr=lrs)
+        for s, (loss, chosen, rejected) in losses.items():
+            h = histories[s]
+            h["step"].append(step + 1)
+            h["loss"].append(loss.item())
+            h["learning_rate"].append(lrs[s])
+            ref_chosen, ref_rejected = (t[picked[s].to(dev)] for t in tables[s])
+            for k, v in dpo_metrics(chosen, rejected, ref_chosen, ref_rejected, args.beta).items():
+                h[k].append(v)
+        bar.set_postfix(loss=f"{sum(loss.item() for loss, _, _ in losses.values()) / len(losses):.3f}")
+    for h in histories:                      # the seeds shared the clock: each is charged its share
+        h["seconds"] = (time.perf_counter() - start) / S
+    with torch.no_grad():                    # each seed's weights back into its own model
+        for s, m in enumerate(models):
+            for p, q in zip(m.parameters(), stack.parameters()):
+                p.copy_(q[s])
+    return histories
