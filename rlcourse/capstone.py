@@ -79,9 +79,9 @@ def _evaluate(model, ref, tokenizer, task, cfg: CapstoneConfig, seed: int) -> di
     return {"validity": validity, "kl": kl, "distinct": task.distinct_valid(prompts, roll.completions)}
 
 
-def _pg_config(name, cfg, seed, num_seeds: int = 1) -> PolicyGradientConfig:
+def _pg_config(name, cfg, seed) -> PolicyGradientConfig:
     settings = {"learning_rate": cfg.learning_rate, "per_device_train_batch_size": cfg.batch,
-                "num_generations": 8, "seed": seed, "num_seeds": num_seeds, **_PG[name]}
+                "num_generations": 8, "seed": seed, **_PG[name]}
     return PolicyGradientConfig(**settings)
 
 
@@ -211,7 +211,7 @@ def run_seeds(algorithm: str, seeds, cfg: CapstoneConfig | None = None, device=N
     ref, _ = load_checkpoint(cfg.checkpoint, device=device)
     if algorithm == "DPO":
         return _dpo_seeds(model, ref, tokenizer, task, seeds, cfg)
-    trainer = SeedBatchedPolicyGradientTrainer(model, tokenizer, task, _pg_config(algorithm, cfg, seeds[0], len(seeds)),
+    trainer = SeedBatchedPolicyGradientTrainer(model, tokenizer, task, _pg_config(algorithm, cfg, seeds[0]),
                                                seeds=seeds)
     curves = [[{"samples": 0, "seconds": 0.0, **_evaluate(model, ref, tokenizer, task, cfg, s)}] for s in seeds]
     marks = [round(cfg.budget * (k + 1) / cfg.eval_points) for k in range(cfg.eval_points)]

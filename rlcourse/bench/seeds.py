@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
 
     def batched(n_seeds):
         trainer = SeedBatchedPolicyGradientTrainer(model, tokenizer, task,
-                                                   PolicyGradientConfig(num_seeds=n_seeds, **settings))
+                                                   PolicyGradientConfig(**settings), num_seeds=n_seeds)
         trainer.step()                                     # warm-up
         synchronize(dev)
         start = time.perf_counter()

@@ -77,8 +77,8 @@ class PolicyGradientConfig:
     ``loss_type`` is one of ``grpo, bnpo, dr_grpo, dapo, cispo, sapo`` (TRL's default ``dapo``) or
     ``rloo`` (RLOOTrainer's loss: PPO-clip on the whole-sequence ratio).
 
-    ``num_seeds`` (ours) is how many independent runs one trainer advances together: 1 here,
-    S > 1 in :class:`rlcourse.lm.seed_batched.SeedBatchedPolicyGradientTrainer`.
+    Several seeds of one configuration advance together in
+    :class:`rlcourse.lm.seed_batched.SeedBatchedPolicyGradientTrainer` (``num_seeds`` or ``seeds`` there).
     """
 
     learning_rate: float = 1e-4
@@ -106,7 +106,6 @@ class PolicyGradientConfig:
     dynamic_sampling: bool = False
     max_num_gen_batches: int = 4
     max_grad_norm: float | None = 1.0
-    num_seeds: int = 1
 
     def __post_init__(self):
         if self.loss_type not in (*LOSS_TYPES, "rloo"):
@@ -136,8 +135,6 @@ class PolicyGradientConfig:
                 or self.max_num_gen_batches < 1):
             raise ValueError(f"max_num_gen_batches must be an integer >= 1 (a cap on generation batches per "
                              f"step; there is no 'unlimited'), got {self.max_num_gen_batches!r}")
-        if (not isinstance(self.num_seeds, int) or isinstance(self.num_seeds, bool) or self.num_seeds < 1):
-            raise ValueError(f"num_seeds must be an integer >= 1, got {self.num_seeds!r}")
         if self.dynamic_sampling and self.num_generations < 2:
             raise ValueError("dynamic_sampling needs num_generations >= 2: a group of one completion always "
                              "has all-equal rewards, so every group would be dropped")
@@ -251,9 +248,6 @@ class PolicyGradientTrainer:
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.config = config or PolicyGradientConfig()
         c = self.config
-        if c.num_seeds != 1:
-            raise ValueError(f"num_seeds={c.num_seeds}: several seeds advance together in "
-                             f"rlcourse.lm.seed_batched.SeedBatchedPolicyGradientTrainer; this trainer runs one")
         self.max_len = c.max_completion_length or task.max_new_tokens
         if c.beta > 0 and ref_model is None:
             ref_model = frozen_copy(model)

@@ -37,29 +37,36 @@ __all__ = ["SeedBatchedPolicyGradientTrainer"]
 class SeedBatchedPolicyGradientTrainer:
     """``trainer = SeedBatchedPolicyGradientTrainer(model, tokenizer, task, config); trainer.train()``.
 
-    ``config.num_seeds`` runs start from ``model`` (a plain GPT-2: :func:`rlcourse.lm.fast_gpt2.supports`)
-    or from ``models``, a list of one model per seed; seed ``s`` uses ``seeds[s]``, by default
-    ``config.seed + s``. ``history[s]`` holds seed ``s``'s metrics, one dict per step (TRL's names,
+    ``num_seeds`` runs start from ``model`` (a plain GPT-2: :func:`rlcourse.lm.fast_gpt2.supports`),
+    or one run from each model of a list; seed ``s`` uses ``seeds[s]``, by default ``config.seed + s``
+    (the seeds are not a ``PolicyGradientConfig`` field: that config stays the one TRL's
+    ``GRPOConfig`` mirrors, and one seed per run is TRL's way). ``history[s]`` holds seed ``s``'s metrics, one dict per step (TRL's names,
     as the single-seed trainer logs them); ``model_of(s)`` returns seed ``s``'s policy as an ordinary
     ``GPT2LMHeadModel``. With ``beta > 0`` the reference is each seed's starting model, frozen.
     """
 
     def __init__(self, model, tokenizer, task, config: PolicyGradientConfig | None = None,
-                 seeds: list[int] | None = None):
-        self.config = c = config or PolicyGradientConfig(num_seeds=2)
+                 num_seeds: int | None = None, seeds: list[int] | None = None):
+        self.config = c = config or PolicyGradientConfig()
         if c.dynamic_sampling:
             raise ValueError("dynamic_sampling is not seed-batched (each seed would draw a different number of "
                              "generation batches): run PolicyGradientTrainer once per seed")
-        models = list(model) if isinstance(model, (list, tuple)) else [model] * c.num_seeds
-        if len(models) != c.num_seeds:
-            raise ValueError(f"model must be one model or a list of num_seeds={c.num_seeds} models, got {len(models)}")
+        if seeds is not None:
+            num_seeds = len(seeds) if num_seeds is None else num_seeds
+        elif isinstance(model, (list, tuple)):
+            num_seeds = len(model) if num_seeds is None else num_seeds
+        if (not isinstance(num_seeds, int) or isinstance(num_seeds, bool) or num_seeds < 1):
+            raise ValueError(f"num_seeds must be an integer >= 1 (or given by seeds or a list of models), got {num_seeds!r}")
+        models = list(model) if isinstance(model, (list, tuple)) else [model] * num_seeds
+        if len(models) != num_seeds:
+            raise ValueError(f"model must be one model or a list of num_seeds={num_seeds} models, got {len(models)}")
         for i, m in enumerate(models):
             if not supports(m):
                 raise ValueError(f"model {i} is not a plain GPT-2 model (rlcourse.lm.fast_gpt2.supports): only those "
                                  f"can be seed-batched; use PolicyGradientTrainer for {type(m).__name__}")
-        self.seeds = [c.seed + s for s in range(c.num_seeds)] if seeds is None else [int(s) for s in seeds]
-        if len(self.seeds) != c.num_seeds:
-            raise ValueError(f"seeds must hold num_seeds={c.num_seeds} seeds, got {self.seeds}")
+        self.seeds = [c.seed + s for s in range(num_seeds)] if seeds is None else [int(s) for s in seeds]
+        if len(self.seeds) != num_seeds:
+            raise ValueError(f"seeds must hold num_seeds={num_seeds} seeds, got {self.seeds}")
         self.tokenizer, self.task = tokenizer, task
         self.max_len = c.max_completion_length or task.max_new_tokens
         self.model = stack_models(models)
@@ -68,7 +75,7 @@ class SeedBatchedPolicyGradientTrainer:
         self.device = next(self.model.parameters()).device
         self.rngs = [np.random.default_rng(s) for s in self.seeds]
         self.generators = [torch.Generator(device=self.device).manual_seed(s) for s in self.seeds]
-        self.baselines: list[float | None] = [None] * c.num_seeds
+        self.baselines: list[float | None] = [None] * num_seeds
         self.history: list[list[dict]] = [[] for _ in self.seeds]
 
     @property
