@@ -139,6 +139,13 @@ def _dpo_pairs(model, tokenizer, task, n_samples: int, seed: int) -> list[dict]:
     return pairs
 
 
+def _result(algorithm: str, seed: int, curve: list[dict], model, completions_per_second: float, **extra) -> dict:
+    """One run's result as :func:`run` returns it."""
+    return {"algorithm": algorithm, "seed": seed, "curve": curve, "models_held": MODELS_HELD[algorithm],
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "completions_per_second": completions_per_second, **extra}
+
+
 def _checked(algorithm: str, cfg: CapstoneConfig | None) -> CapstoneConfig:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -184,9 +191,7 @@ def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=Non
                 marks.pop(0)
                 curve.append({"samples": samples, "seconds": seconds,
                               **_evaluate(model, ref, tokenizer, task, cfg, seed)})
-    out = {"algorithm": algorithm, "seed": seed, "curve": curve, "models_held": MODELS_HELD[algorithm],
-           "parameters": sum(p.numel() for p in model.parameters()),
-           "completions_per_second": samples / max(seconds, 1e-9)}
+    out = _result(algorithm, seed, curve, model, samples / max(seconds, 1e-9))
     if dev.type == "cuda":
         out["peak_memory_mb"] = torch.cuda.max_memory_allocated(dev) / 2**20
     return out
@@ -226,9 +231,8 @@ def run_seeds(algorithm: str, seeds, cfg: CapstoneConfig | None = None, device=N
             for i, s in enumerate(seeds):
                 curves[i].append({"samples": samples, "seconds": seconds / len(seeds),
                                   **_evaluate(trainer.model_of(i), ref, tokenizer, task, cfg, s)})
-    return [{"algorithm": algorithm, "seed": s, "curve": curve, "models_held": MODELS_HELD[algorithm],
-             "parameters": sum(p.numel() for p in model.parameters()), "seeds_batched": len(seeds),
-             "completions_per_second": samples * len(seeds) / max(seconds, 1e-9)} for s, curve in zip(seeds, curves)]
+    return [_result(algorithm, s, curve, model, samples * len(seeds) / max(seconds, 1e-9), seeds_batched=len(seeds))
+            for s, curve in zip(seeds, curves)]
 
 
 def _dpo_seeds(model, ref, tokenizer, task, seeds: list[int], cfg: CapstoneConfig) -> list[dict]:
@@ -245,10 +249,10 @@ def _dpo_seeds(model, ref, tokenizer, task, seeds: list[int], cfg: CapstoneConfi
     train_dpo_seeds(models, tokenizer, pairs, _dpo_config(cfg, seeds[0]), seeds=seeds, ref_models=[ref] * len(seeds),
                     progress=False)
     seconds = (time.perf_counter() - start) / len(seeds)
-    return [{"algorithm": "DPO", "seed": s, "models_held": MODELS_HELD["DPO"], "seeds_batched": len(seeds),
-             "parameters": sum(p.numel() for p in model.parameters()), "completions_per_second": cfg.budget / seconds,
-             "curve": [first, {"samples": cfg.budget, "seconds": seconds, **_evaluate(m, ref, tokenizer, task, cfg, s)}]}
-            for s, first, m in zip(seeds, starts, models)]
+    ends = [{"samples": cfg.budget, "seconds": seconds, **_evaluate(m, ref, tokenizer, task, cfg, s)}
+            for s, m in zip(seeds, models)]
+    return [_result("DPO", s, [first, end], model, cfg.budget / seconds, seeds_batched=len(seeds))
+            for s, first, end in zip(seeds, starts, ends)]
 
 
 def compare(algorithms=ALGORITHMS, seeds=(0, 1, 2), cfg: CapstoneConfig | None = None, progress: bool = True,

@@ -140,6 +140,17 @@ def dpo_metrics(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_log
                 "logps/rejected": rejected_logps.detach().mean().item()}
 
 
+# What a DPO run records at every step (TRL's DPOTrainer names), besides "step".
+HISTORY_KEYS = ("loss", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+def lr_factor(args: DPOConfig, step: int, steps: int) -> float:
+    """The learning rate of ``step`` (0-based) of ``steps``, as a fraction of ``args.learning_rate``:
+    ``1 - step / steps`` for the ``linear`` schedule (to 0, as TRL's), 1 for ``constant``."""
+    return 1.0 - step / steps if args.lr_scheduler_type == "linear" else 1.0
+
+
 def batch_loss(args: DPOConfig, chosen_tok: torch.Tensor, rejected_tok: torch.Tensor, completion_mask: torch.Tensor,
                ref_chosen: torch.Tensor, ref_rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One batch's DPO loss (:func:`rlcourse.losses.dpo.preference_loss` with ``args``' settings), and the
@@ -195,13 +206,10 @@ def train_dpo(model, tokenizer, pairs: list[dict], args: DPOConfig | None = None
     model.eval()  # no dropout: the policy and its reference must score tokens the same way
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                             weight_decay=args.weight_decay)
-    decay = (lambda s: 1.0 - s / steps) if args.lr_scheduler_type == "linear" else (lambda s: 1.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(args, s, steps))
     gen = torch.Generator().manual_seed(args.seed)
     order = torch.empty(0, dtype=torch.long)
-    keys = ["loss", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
-            "rewards/margins", "logps/chosen", "logps/rejected"]
-    history = {"step": [], **{k: [] for k in keys}}
+    history = {"step": [], **{k: [] for k in HISTORY_KEYS}}
     start = time.perf_counter()
     bar = tqdm(range(steps), desc=f"DPO ({'+'.join(args.loss_types)}, beta={args.beta})", disable=not progress)
     for step in bar:

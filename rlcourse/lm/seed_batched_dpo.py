@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from rlcourse.lm.dpo import (DPOConfig, _reference_logps, batch_loss, check_preference_pairs, dpo_metrics,
-                             select_pairs)
+from rlcourse.lm.dpo import (HISTORY_KEYS, DPOConfig, _reference_logps, batch_loss, check_preference_pairs,
+                             dpo_metrics, lr_factor, select_pairs)
 from rlcourse.lm.fast_gpt2 import supports
 from rlcourse.lm.logprobs import sequence_logprobs
 from rlcourse.lm.model import frozen_copy
@@ -33,10 +33,6 @@ from rlcourse.lm.reward_model import encode_preference_pairs
 from rlcourse.lm.seed_batch import SeedAdam, stack_models
 
 __all__ = ["train_dpo_seeds", "seed_losses"]
-
-_KEYS = ["loss", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-         "logps/chosen", "logps/rejected"]
-
 
 def _joint(batches: list[dict], pad_id: int) -> dict:
     """Seed batches of equal row counts as one seed-major batch: prompts left-padded, completions right-padded."""
@@ -128,7 +124,7 @@ def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | None = None, see
     opt = SeedAdam(stack.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     orders = [torch.empty(0, dtype=torch.long) for _ in seeds]
-    histories = [{"step": [], **{k: [] for k in _KEYS}} for _ in seeds]
+    histories = [{"step": [], **{k: [] for k in HISTORY_KEYS}} for _ in seeds]
     start = time.perf_counter()
     bar = tqdm(range(max(steps)), desc=f"DPO x{S} seeds ({'+'.join(args.loss_types)}, beta={args.beta})",
                disable=not progress)
@@ -148,7 +144,7 @@ def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | None = None, see
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"DPO loss of seed {seeds[s]} is {loss.item()} at step {step}: lower "
                                          f"learning_rate or check the data")
-        lrs = [args.learning_rate * ((1.0 - step / n) if args.lr_scheduler_type == "linear" else 1.0) for n in steps]
+        lrs = [args.learning_rate * lr_factor(args, step, n) for n in steps]
         opt.zero_grad()
         opt.backward(sum(loss for loss, _, _ in losses.values()))
         if args.max_grad_norm and args.max_grad_norm > 0:
