@@ -17,7 +17,8 @@ valid answers stay. Every algorithm gets the same number of sampled completions 
   sample, keep the valid answers, fine-tune on them, repeat.
 
 :func:`run` trains one (algorithm, seed) and evaluates along the way; :func:`run_seeds` trains
-several seeds of one critic-free method together (:mod:`rlcourse.lm.seed_batched`); :func:`compare`
+several seeds of one method together (:mod:`rlcourse.lm.seed_batched`,
+:mod:`rlcourse.lm.seed_batched_ppo`, :mod:`rlcourse.lm.seed_batched_dpo`); :func:`compare`
 runs them all and :func:`summary` gives the table: mean and a 95% t-interval over seeds for each
 metric. :func:`paired_difference` compares two methods seed by seed.
 """
@@ -51,8 +52,9 @@ _PG = {
 }
 ALGORITHMS = (*_PG, "PPO", "DPO", "RFT")
 # Trained several seeds at a time by compare(): the critic-free methods but DAPO, whose dynamic sampling
-# draws a different number of batches per seed, and DPO. PPO and RFT run one seed at a time.
-SEED_BATCHED = (*(name for name, settings in _PG.items() if not settings.get("dynamic_sampling")), "DPO")
+# draws a different number of batches per seed, PPO and DPO. RFT runs one seed at a time: each seed
+# keeps a different number of answers per step, so its fine-tuning batches are ragged across seeds.
+SEED_BATCHED = (*(name for name, settings in _PG.items() if not settings.get("dynamic_sampling")), "PPO", "DPO")
 # Models a run holds in memory while training (policy, reference, critic...).
 MODELS_HELD = {**{name: 1 for name in _PG}, "PPO": 3, "DPO": 2, "RFT": 1}
 
@@ -91,14 +93,19 @@ def _pg_trainer(name, model, tokenizer, task, cfg, seed):
     return lambda: cfg.batch * int(trainer.step()["num_gen_batches"])
 
 
+def _ppo_config(cfg, task, seed):
+    from rlcourse.lm.ppo_rlhf import PPOConfig
+
+    return PPOConfig(learning_rate=cfg.learning_rate, batch_size=cfg.batch, num_ppo_epochs=2,
+                     response_length=task.max_new_tokens, kl_coef=0.0, seed=seed)
+
+
 def _ppo_trainer(model, tokenizer, task, cfg, seed):
-    from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer
+    from rlcourse.lm.ppo_rlhf import PPORLHFTrainer
     from rlcourse.lm.value_model import make_value_model
 
-    config = PPOConfig(learning_rate=cfg.learning_rate, batch_size=cfg.batch, num_ppo_epochs=2,
-                       response_length=task.max_new_tokens, kl_coef=0.0, seed=seed)
-    trainer = PPORLHFTrainer(config, model, tokenizer, task.reward, make_value_model("policy", policy=model),
-                             prompt_fn=task.prompts)
+    trainer = PPORLHFTrainer(_ppo_config(cfg, task, seed), model, tokenizer, task.reward,
+                             make_value_model("policy", policy=model), prompt_fn=task.prompts)
     return lambda: trainer.train(1, progress=False) and cfg.batch
 
 
@@ -216,8 +223,15 @@ def run_seeds(algorithm: str, seeds, cfg: CapstoneConfig | None = None, device=N
     ref, _ = load_checkpoint(cfg.checkpoint, device=device)
     if algorithm == "DPO":
         return _dpo_seeds(model, ref, tokenizer, task, seeds, cfg)
-    trainer = SeedBatchedPolicyGradientTrainer(model, tokenizer, task, _pg_config(algorithm, cfg, seeds[0]),
-                                               seeds=seeds)
+    if algorithm == "PPO":
+        from rlcourse.lm.seed_batched_ppo import SeedBatchedPPORLHFTrainer
+        from rlcourse.lm.value_model import make_value_model
+
+        trainer = SeedBatchedPPORLHFTrainer(_ppo_config(cfg, task, seeds[0]), model, tokenizer, task.reward,
+                                            make_value_model("policy", policy=model), task.prompts, seeds=seeds)
+    else:
+        trainer = SeedBatchedPolicyGradientTrainer(model, tokenizer, task, _pg_config(algorithm, cfg, seeds[0]),
+                                                   seeds=seeds)
     curves = [[{"samples": 0, "seconds": 0.0, **_evaluate(model, ref, tokenizer, task, cfg, s)}] for s in seeds]
     marks = [round(cfg.budget * (k + 1) / cfg.eval_points) for k in range(cfg.eval_points)]
     samples, seconds = 0, 0.0

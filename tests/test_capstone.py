@@ -84,9 +84,10 @@ def test_run_seeds_gives_each_seed_the_run_of_that_seed_alone():
     """The seed-batched capstone run equals run() seed by seed (the same draws; evaluations agree)."""
     from rlcourse.capstone import SEED_BATCHED, run_seeds
 
-    assert "DAPO" not in SEED_BATCHED and {"REINFORCE", "GSPO", "DPO"} <= set(SEED_BATCHED)
+    assert "DAPO" not in SEED_BATCHED and "RFT" not in SEED_BATCHED
+    assert {"REINFORCE", "GSPO", "PPO", "DPO"} <= set(SEED_BATCHED)
     cfg = CapstoneConfig(budget=192, eval_points=2)
-    for algorithm in ("REINFORCE", "GSPO", "DPO"):
+    for algorithm in ("REINFORCE", "GSPO", "PPO", "DPO"):
         together = run_seeds(algorithm, [3, 1], cfg)
         for r, seed in zip(together, (3, 1)):
             alone = run(algorithm, seed, cfg)
@@ -95,7 +96,7 @@ def test_run_seeds_gives_each_seed_the_run_of_that_seed_alone():
             for a, b in zip(r["curve"], alone["curve"]):
                 assert a["validity"] == pytest.approx(b["validity"], abs=0.02)
     with pytest.raises(ValueError, match="SEED_BATCHED"):
-        run_seeds("PPO", [0, 1], cfg)
+        run_seeds("RFT", [0, 1], cfg)
 
 
 def test_paired_difference_is_the_t_interval_of_seedwise_differences():

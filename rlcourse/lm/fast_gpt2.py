@@ -20,7 +20,9 @@ backward touches 312 token positions instead of 704. Inference engines call this
 
 Used by :func:`rlcourse.lm.sampling.sample` (``GPT2Decoder``) and by
 :func:`rlcourse.lm.logprobs.completion_logits` (``completion_window_logits``) for plain GPT-2
-models (:func:`supports`); any other causal LM goes through its own forward.
+models (:func:`supports`), and by :func:`rlcourse.lm.value_model.token_values` for a seed-stacked
+critic (``completion_window_values``, :func:`supports_scalar_head`); any other causal LM goes
+through its own forward.
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 
-def supports(model) -> bool:
-    """True when ``model`` is a plain GPT-2 LM that this module computes exactly.
+def _plain_body(model, body) -> bool:
+    """Whether GPT-2 body ``body`` (a ``GPT2Model``) of ``model`` is computed exactly by this module.
 
     Plain means: GPT-2's own layer types (no adapters patched in), none of the rarely used
     attention options, and no dropout at work (eval mode, or every dropout probability 0).
@@ -40,7 +42,7 @@ def supports(model) -> bool:
     from transformers.pytorch_utils import Conv1D
 
     cfg = getattr(model, "config", None)
-    if type(model).__name__ != "GPT2LMHeadModel" or cfg is None:
+    if cfg is None or type(body).__name__ != "GPT2Model":
         return False
     if (cfg.add_cross_attention or cfg.scale_attn_by_inverse_layer_idx or cfg.reorder_and_upcast_attn
             or not cfg.scale_attn_weights or cfg.activation_function not in ("gelu_new", "gelu_pytorch_tanh", "gelu")):
@@ -48,10 +50,31 @@ def supports(model) -> bool:
     # Dropout can be switched on through the config or by setting a module's p (lesson 08 does).
     if model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
         return False
-    layers = [m for b in model.transformer.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
-    norms = [m for b in model.transformer.h for m in (b.ln_1, b.ln_2)] + [model.transformer.ln_f]
-    return (all(type(m) is Conv1D for m in layers) and all(type(m) is torch.nn.LayerNorm for m in norms)
-            and model.lm_head.bias is None)
+    layers = [m for b in body.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
+    norms = [m for b in body.h for m in (b.ln_1, b.ln_2)] + [body.ln_f]
+    return all(type(m) is Conv1D for m in layers) and all(type(m) is torch.nn.LayerNorm for m in norms)
+
+
+def supports(model) -> bool:
+    """True when ``model`` is a plain GPT-2 LM (``GPT2LMHeadModel``) that this module computes exactly."""
+    if type(model).__name__ != "GPT2LMHeadModel":
+        return False
+    return _plain_body(model, model.transformer) and model.lm_head.bias is None
+
+
+def supports_scalar_head(model) -> bool:
+    """True for a :class:`~rlcourse.lm.reward_model.ScalarHeadModel` (a reward model or critic) on a
+    plain GPT-2 body whose head has the body's dtype: :func:`completion_window_values` computes it."""
+    if type(model).__name__ != "ScalarHeadModel":
+        return False
+    head, body = model.head, model.body
+    return (_plain_body(model, body) and head.bias is None
+            and head.weight.dtype == next(body.parameters()).dtype)
+
+
+def _body(model):
+    """The GPT-2 body: ``model.transformer`` of an LM, ``model.body`` of a scalar-head model."""
+    return model.transformer if hasattr(model, "transformer") else model.body
 
 
 def num_seeds(model) -> int | None:
@@ -117,7 +140,7 @@ def _embed(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     A stacked model's rows are seed-major (rows ``s * R / S`` onwards belong to seed ``s``), and seed
     ``s`` reads its own tables: row ``s * V + i`` of the flattened (S * V, W) table is its token ``i``.
     """
-    tr, width = model.transformer, model.config.n_embd
+    tr, width = _body(model), model.config.n_embd
     wte, wpe = tr.wte.weight, tr.wpe.weight
     if wte.dim() == 2:
         return (F.embedding(ids, wte) + F.embedding(positions, wpe)).reshape(-1, width)
@@ -155,13 +178,9 @@ def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_se
     return rows.clamp(min=0), (rows >= 0).long(), inverse
 
 
-def completion_window_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-    """Logits (B, T + 1, V) at the prompt's last column and at every completion column, with grad.
-
-    The same numbers as ``model(input_ids=[prompt | completion], ..., logits_to_keep=T + 1).logits``
-    with position ids from the attention mask, computed with each distinct prompt run once.
-    Inputs are validated by the caller (:func:`rlcourse.lm.logprobs.completion_logits`).
-    """
+def _completion_window(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """Hidden states (B, T + 1, W) before the final LayerNorm, at the prompt's last column and at
+    every completion column, each distinct prompt run once (per seed, for a stacked model)."""
     n_head, seeds = model.config.n_head, num_seeds(model) or 1
     u_ids, u_mask, inverse = distinct_prompts(prompt_ids, prompt_mask, seeds)
     (n_unique, n_prompt), (batch, n_new) = u_ids.shape, completion_ids.shape
@@ -188,13 +207,37 @@ def completion_window_logits(model, prompt_ids, prompt_mask, completion_ids, com
                    _embed(model, completion_ids.long(), new_positions).view(seeds, -1, model.config.n_embd)], 1)
     if seeds == 1 and num_seeds(model) is None:
         h = h[0]                                   # a plain model's hidden states are (N, W)
-    for block in model.transformer.h:
+    for block in _body(model).h:
         h = _block(model, block, h, attend)
     width = model.config.n_embd
     per_seed = h.view(seeds, -1, width)
     last_prompt = per_seed[:, :split].reshape(n_unique, n_prompt, width)[:, -1][inverse]     # (B, W)
-    window = torch.cat([last_prompt[:, None], per_seed[:, split:].reshape(batch, n_new, width)], 1)
-    return _logits(model, window)
+    return torch.cat([last_prompt[:, None], per_seed[:, split:].reshape(batch, n_new, width)], 1)
+
+
+def completion_window_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """Logits (B, T + 1, V) at the prompt's last column and at every completion column, with grad.
+
+    The same numbers as ``model(input_ids=[prompt | completion], ..., logits_to_keep=T + 1).logits``
+    with position ids from the attention mask, computed with each distinct prompt run once.
+    Inputs are validated by the caller (:func:`rlcourse.lm.logprobs.completion_logits`).
+    """
+    return _logits(model, _completion_window(model, prompt_ids, prompt_mask, completion_ids, completion_mask))
+
+
+def completion_window_values(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """A scalar-head model's values (B, T + 1), ``v = LN_f(h) . w_head``, at the same columns, with grad.
+
+    The same numbers as :class:`~rlcourse.lm.reward_model.ScalarHeadModel`'s forward read at columns
+    ``P - 1`` to ``P + T - 1`` (:func:`supports_scalar_head` models; stacked ones too: seed ``s``'s
+    rows meet seed ``s``'s body and head).
+    """
+    window = _completion_window(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    head, ln_f = model.head.weight, model.body.ln_f          # (1, W), or (S, 1, W) when stacked
+    if head.dim() == 2:
+        return (_layer_norm(model, window, ln_f) @ head.T).squeeze(-1)
+    x = _layer_norm(model, window.reshape(head.shape[0], -1, window.shape[-1]), ln_f)
+    return torch.bmm(x, head.transpose(1, 2)).view(window.shape[:-1])
 
 
 class GPT2Decoder:

@@ -37,7 +37,7 @@ from rlcourse.losses import ppo_clip_loss, ppo_diagnostics, value_loss, masked_m
 from rlcourse.returns import gae, whiten
 
 __all__ = ["PPOConfig", "PPORLHFTrainer", "eos_rule", "kl_shaped_rewards", "advantages_and_returns", "ppo_rlhf_loss",
-           "disable_dropout"]
+           "minibatch_loss", "iteration_metrics", "disable_dropout"]
 
 
 @dataclass
@@ -175,6 +175,37 @@ def ppo_rlhf_loss(logprobs, old_logprobs, advantages, values, old_values, return
     return pg + vf_coef * vf, pg, vf
 
 
+def minibatch_loss(config: PPOConfig, logprobs, values, mb: dict):
+    """:func:`ppo_rlhf_loss` of one minibatch from the policy's ``logprobs`` and the critic's ``values``
+    (both ``(B, T)``, with grad) and the rollout's stored tensors in ``mb``; returns the loss and its stats."""
+    c = config
+    loss, pg, vf = ppo_rlhf_loss(logprobs, mb["logprobs"], mb["advantages"], values, mb["values"],
+                                 mb["returns"], mb["completion_mask"], c.cliprange, c.cliprange_value, c.vf_coef)
+    vclip = ((values - mb["values"]).abs() > c.cliprange_value).float()
+    stats = {**ppo_diagnostics(logprobs, mb["logprobs"], mb["advantages"], mb["completion_mask"], c.cliprange),
+             "loss/policy": pg.item(), "loss/value": vf.item(),
+             "val/clipfrac": float(masked_mean(vclip, mb["completion_mask"])),
+             "val/ratio": float(masked_mean((logprobs - mb["logprobs"]).detach().exp(), mb["completion_mask"]))}
+    return loss, stats
+
+
+def iteration_metrics(config: PPOConfig, batch: dict, stats: list[dict], iteration: int) -> dict:
+    """One iteration's log row under TRL's PPO names, from its batch and its minibatches' ``stats``."""
+    c = config
+    mean = lambda key: sum(s[key] for s in stats) / len(stats)  # noqa: E731
+    kl_sum = batch["kl"].sum(1)
+    non_score = (-c.kl_coef * batch["kl"]).sum(1)
+    return {"objective/kl": float(kl_sum.mean()), "objective/entropy": float(-batch["logprobs"].sum(1).mean()),
+            "objective/non_score_reward": float(non_score.mean()),
+            "objective/rlhf_reward": float((batch["scores"] + non_score).mean()),
+            "objective/scores": float(batch["scores"].mean()),
+            "policy/approxkl_avg": mean("approx_kl"), "policy/clipfrac_avg": mean("clip_fraction"),
+            "loss/policy_avg": mean("loss/policy"), "loss/value_avg": mean("loss/value"),
+            "val/clipfrac_avg": mean("val/clipfrac"), "val/ratio": mean("val/ratio"),
+            "val/num_eos_tokens": int(batch["finished"].sum()), "lr": c.learning_rate,
+            "episode": (iteration + 1) * c.batch_size}
+
+
 def disable_dropout(model) -> None:
     """Set every dropout probability to 0: with dropout the two forward passes of one policy differ,
     the ratio is not 1 before any update, and the KL to the reference is noisy."""
@@ -246,20 +277,11 @@ class PPORLHFTrainer:
 
     def loss(self, mb: dict):
         """The loss of one minibatch and its parts; the forward passes run in train mode."""
-        c = self.config
         logprobs = sequence_logprobs(self.policy, mb["prompt_ids"], mb["completion_ids"], mb["completion_mask"],
-                                     mb["prompt_mask"], c.temperature)
+                                     mb["prompt_mask"], self.config.temperature)
         values = token_values(self.value_model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                               mb["completion_mask"])
-        loss, pg, vf = ppo_rlhf_loss(logprobs, mb["logprobs"], mb["advantages"], values, mb["values"],
-                                     mb["returns"], mb["completion_mask"], c.cliprange, c.cliprange_value,
-                                     c.vf_coef)
-        vclip = ((values - mb["values"]).abs() > c.cliprange_value).float()
-        stats = {**ppo_diagnostics(logprobs, mb["logprobs"], mb["advantages"], mb["completion_mask"], c.cliprange),
-                 "loss/policy": pg.item(), "loss/value": vf.item(),
-                 "val/clipfrac": float(masked_mean(vclip, mb["completion_mask"])),
-                 "val/ratio": float(masked_mean((logprobs - mb["logprobs"]).detach().exp(), mb["completion_mask"]))}
-        return loss, stats
+        return minibatch_loss(self.config, logprobs, values, mb)
 
     def step(self) -> dict:
         """One PPO-RLHF iteration (rollout, shaping, GAE, updates); returns and logs its metrics."""
@@ -288,19 +310,7 @@ class PPORLHFTrainer:
         return self._log(batch, stats)
 
     def _log(self, batch: dict, stats: list[dict]) -> dict:
-        c = self.config
-        mean = lambda key: sum(s[key] for s in stats) / len(stats)  # noqa: E731
-        kl_sum = batch["kl"].sum(1)
-        non_score = (-c.kl_coef * batch["kl"]).sum(1)
-        row = {"objective/kl": float(kl_sum.mean()), "objective/entropy": float(-batch["logprobs"].sum(1).mean()),
-               "objective/non_score_reward": float(non_score.mean()),
-               "objective/rlhf_reward": float((batch["scores"] + non_score).mean()),
-               "objective/scores": float(batch["scores"].mean()),
-               "policy/approxkl_avg": mean("approx_kl"), "policy/clipfrac_avg": mean("clip_fraction"),
-               "loss/policy_avg": mean("loss/policy"), "loss/value_avg": mean("loss/value"),
-               "val/clipfrac_avg": mean("val/clipfrac"), "val/ratio": mean("val/ratio"),
-               "val/num_eos_tokens": int(batch["finished"].sum()), "lr": c.learning_rate,
-               "episode": (self.iteration + 1) * c.batch_size}
+        row = iteration_metrics(self.config, batch, stats, self.iteration)
         if self.gold_fn is not None:
             row["gold/scores"] = float(torch.as_tensor(self.gold_fn(batch["prompts"], batch["completions"])).mean())
         self.iteration += 1

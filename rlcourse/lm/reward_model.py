@@ -52,7 +52,7 @@ class ScalarHeadModel(nn.Module):
         self.head.to(next(self.body.parameters()).device)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``(B, L)`` float32 values. The body may run in bf16; the head must not (see below)."""
+        """``(B, L)`` values in the head's dtype (float32, or float64). The body may run in bf16; the head must not."""
         if self.head.weight.dtype not in (torch.float32, torch.float64):
             # bf16 keeps 8 bits of mantissa: two scores closer than ~1% of their size come out
             # equal, and the Bradley-Terry loss and every PPO advantage are built on such differences.
@@ -60,7 +60,7 @@ class ScalarHeadModel(nn.Module):
                              f"cast the body alone (model.body.to(torch.bfloat16)) and keep model.head.float()")
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
 
 
 def last_real_index(mask: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch
 
 from rlcourse.lm import fast_gpt2
 
-__all__ = ["stack_models", "seed_model", "clip_grad_norm_per_seed", "SeedAdam"]
+__all__ = ["stack_models", "seed_model", "seed_runs", "clip_grad_norm_per_seed", "SeedAdam"]
 
 
 def _no_forward(*args, **kwargs):
@@ -44,6 +44,9 @@ def _no_forward(*args, **kwargs):
 def stack_models(models) -> torch.nn.Module:
     """One seed-stacked model from S plain GPT-2 models of one shape (S >= 1): seed ``s`` is ``models[s]``.
 
+    The models are LMs (``GPT2LMHeadModel``) or scalar-head models on a GPT-2 body (the critic of
+    PPO-RLHF, :class:`~rlcourse.lm.reward_model.ScalarHeadModel`), all of one kind.
+
     The inputs are copied, never shared: training the stack leaves them untouched. Tied weights
     (GPT-2's ``lm_head.weight`` is ``wte.weight``) stay tied in the stack.
     """
@@ -51,9 +54,10 @@ def stack_models(models) -> torch.nn.Module:
     if not models:
         raise ValueError("models must hold at least one GPT-2 model")
     for i, m in enumerate(models):
-        if not fast_gpt2.supports(m) or fast_gpt2.num_seeds(m) is not None:
-            raise ValueError(f"models[{i}] is not a plain GPT-2 model (rlcourse.lm.fast_gpt2.supports): "
-                             f"only those can be stacked")
+        plain = fast_gpt2.supports(m) or fast_gpt2.supports_scalar_head(m)
+        if not plain or fast_gpt2.num_seeds(m) is not None or type(m) is not type(models[0]):
+            raise ValueError(f"models[{i}] is not a plain GPT-2 model of the kind of models[0] (rlcourse.lm.fast_gpt2."
+                             f"supports, or supports_scalar_head for a reward model or critic): only those can be stacked")
     names = [n for n, _ in models[0].named_parameters()]
     for i, m in enumerate(models[1:], 1):
         if [(n, p.shape) for n, p in m.named_parameters()] != [(n, p.shape) for n, p in models[0].named_parameters()]:
@@ -75,7 +79,7 @@ def stack_models(models) -> torch.nn.Module:
 
 
 def seed_model(stack: torch.nn.Module, s: int):
-    """Seed ``s`` of a stacked model as an ordinary ``GPT2LMHeadModel`` (a copy: no memory shared)."""
+    """Seed ``s`` of a stacked model as an ordinary model of its kind (a copy: no memory shared)."""
     seeds = fast_gpt2.num_seeds(stack)
     if seeds is None:
         raise ValueError("stack is not a seed-stacked model (build one with stack_models)")
@@ -92,6 +96,28 @@ def seed_model(stack: torch.nn.Module, s: int):
                     single[id(p)] = torch.nn.Parameter(p.detach()[s].clone(), requires_grad=p.requires_grad)
                 module._parameters[key] = single[id(p)]
     return model
+
+
+def seed_runs(model, first_seed: int, num_seeds: int | None = None, seeds=None) -> tuple[list, list[int]]:
+    """The S starting models and S seeds of a seed-batched trainer: ``(models, seeds)``.
+
+    ``model`` is one model (every seed starts from it) or a list of S models. S comes from
+    ``num_seeds``, else from ``seeds``, else from the list's length; the seeds default to
+    ``first_seed, first_seed + 1, ...``.
+    """
+    if seeds is not None:
+        num_seeds = len(seeds) if num_seeds is None else num_seeds
+    elif isinstance(model, (list, tuple)):
+        num_seeds = len(model) if num_seeds is None else num_seeds
+    if not isinstance(num_seeds, int) or isinstance(num_seeds, bool) or num_seeds < 1:
+        raise ValueError(f"num_seeds must be an integer >= 1 (or given by seeds or a list of models), got {num_seeds!r}")
+    models = list(model) if isinstance(model, (list, tuple)) else [model] * num_seeds
+    if len(models) != num_seeds:
+        raise ValueError(f"model must be one model or a list of num_seeds={num_seeds} models, got {len(models)}")
+    seeds = [first_seed + s for s in range(num_seeds)] if seeds is None else [int(s) for s in seeds]
+    if len(seeds) != num_seeds:
+        raise ValueError(f"seeds must hold num_seeds={num_seeds} seeds, got {seeds}")
+    return models, seeds
 
 
 def _seed_view(t: torch.Tensor) -> torch.Tensor:

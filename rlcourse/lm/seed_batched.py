@@ -29,7 +29,7 @@ from rlcourse.lm.fast_gpt2 import supports
 from rlcourse.lm.policy_gradient import (PolicyGradientConfig, _Batch, advantages, checked_rewards, draw_metrics,
                                          logits_and_logprobs, loss_and_stats)
 from rlcourse.lm.sampling import sample
-from rlcourse.lm.seed_batch import SeedAdam, seed_model, stack_models
+from rlcourse.lm.seed_batch import SeedAdam, seed_model, seed_runs, stack_models
 
 __all__ = ["SeedBatchedPolicyGradientTrainer"]
 
@@ -51,22 +51,11 @@ class SeedBatchedPolicyGradientTrainer:
         if c.dynamic_sampling:
             raise ValueError("dynamic_sampling is not seed-batched (each seed would draw a different number of "
                              "generation batches): run PolicyGradientTrainer once per seed")
-        if seeds is not None:
-            num_seeds = len(seeds) if num_seeds is None else num_seeds
-        elif isinstance(model, (list, tuple)):
-            num_seeds = len(model) if num_seeds is None else num_seeds
-        if (not isinstance(num_seeds, int) or isinstance(num_seeds, bool) or num_seeds < 1):
-            raise ValueError(f"num_seeds must be an integer >= 1 (or given by seeds or a list of models), got {num_seeds!r}")
-        models = list(model) if isinstance(model, (list, tuple)) else [model] * num_seeds
-        if len(models) != num_seeds:
-            raise ValueError(f"model must be one model or a list of num_seeds={num_seeds} models, got {len(models)}")
+        models, self.seeds = seed_runs(model, c.seed, num_seeds, seeds)
         for i, m in enumerate(models):
             if not supports(m):
                 raise ValueError(f"model {i} is not a plain GPT-2 model (rlcourse.lm.fast_gpt2.supports): only those "
                                  f"can be seed-batched; use PolicyGradientTrainer for {type(m).__name__}")
-        self.seeds = [c.seed + s for s in range(num_seeds)] if seeds is None else [int(s) for s in seeds]
-        if len(self.seeds) != num_seeds:
-            raise ValueError(f"seeds must hold num_seeds={num_seeds} seeds, got {self.seeds}")
         self.tokenizer, self.task = tokenizer, task
         self.max_len = c.max_completion_length or task.max_new_tokens
         self.model = stack_models(models)
@@ -75,7 +64,7 @@ class SeedBatchedPolicyGradientTrainer:
         self.device = next(self.model.parameters()).device
         self.rngs = [np.random.default_rng(s) for s in self.seeds]
         self.generators = [torch.Generator(device=self.device).manual_seed(s) for s in self.seeds]
-        self.baselines: list[float | None] = [None] * num_seeds
+        self.baselines: list[float | None] = [None] * len(self.seeds)
         self.history: list[list[dict]] = [[] for _ in self.seeds]
 
     @property

@@ -20,6 +20,7 @@ import copy
 
 import torch
 
+from rlcourse.lm import fast_gpt2
 from rlcourse.lm.reward_model import ScalarHeadModel
 
 __all__ = ["make_value_model", "token_values"]
@@ -43,7 +44,18 @@ def make_value_model(init: str, policy=None, reward_model=None) -> ScalarHeadMod
 
 def token_values(value_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """``(B, T)`` values ``V(x, y_<t)`` of the states before each completion token, 0 on padding."""
+    """``(B, T)`` values ``V(x, y_<t)`` of the states before each completion token, 0 on padding.
+
+    A seed-stacked critic (:func:`rlcourse.lm.seed_batch.stack_models`) has no ``transformers``
+    forward: it goes through the lean GPT-2 forward, which reads the same columns.
+    """
+    if fast_gpt2.num_seeds(value_model) is not None:
+        if not fast_gpt2.supports_scalar_head(value_model):
+            raise ValueError("a seed-stacked critic must be a plain GPT-2 ScalarHeadModel with dropout off")
+        values = fast_gpt2.completion_window_values(
+            value_model, prompt_ids.masked_fill(prompt_mask == 0, 0), prompt_mask,
+            completion_ids.masked_fill(completion_mask == 0, 0), completion_mask)[:, :completion_ids.shape[1]]
+        return values * completion_mask.to(values.dtype)
     values = value_model(torch.cat([prompt_ids, completion_ids], 1),
                          torch.cat([prompt_mask, completion_mask], 1).long())
     P, T = prompt_ids.shape[1], completion_ids.shape[1]
