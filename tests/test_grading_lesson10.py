@@ -5,10 +5,12 @@ import rlcourse  # noqa: F401
 import torch
 
 from rlcourse.grading import CheckFailed
-from rlcourse.grading.lesson10 import (check_aggregate_loss, check_group_advantages, check_length_bias_experiment,
-                                       check_sequence_ratio)
-from rlcourse.lm.exact_oracle import EnumerablePolicy
-from rlcourse.losses import aggregate_loss, group_advantages, per_token_loss
+from rlcourse.grading.lesson10 import (check_aggregate_loss, check_group_advantages, check_grpo_loss, check_grpo_step,
+                                       check_grpo_update,
+                                       check_length_bias_experiment, check_sequence_ratio)
+from rlcourse.lm import sample, sequence_logprobs
+from rlcourse.lm.length_bias import wrong_answer_lengths
+from rlcourse.losses import group_advantages
 
 
 def adv_ok(rewards, K, std_floor):
@@ -150,30 +152,188 @@ def test_sequence_ratio_check_catches(wrong):
         check_sequence_ratio(wrong)
 
 
-def _length_run(loss_type, seed, aggregate=aggregate_loss, steps=60):
-    pol = EnumerablePolicy(vocab_size=3, max_len=6, seed=seed, init_scale=0.5)
-    ids, m = pol.completions, pol.mask
-    R = ((ids[:, 0] == 1) & (ids[:, 1] == 0)).float()
-    wrong, L = R == 0, pol.lengths.float()
-    opt = torch.optim.Adam(pol.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        idx = pol.sample(128, gen)[0]
-        lp = pol.token_logprobs()[0, idx]
-        loss = aggregate(per_token_loss(lp, lp.detach(), group_advantages(R[idx], 8), m[idx], loss_type),
-                         m[idx], loss_type, 6)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            p = pol.probs()[0]
-        out.append(float((p * L * wrong).sum() / (p * wrong).sum()))
-    return out
-
-
 def test_length_bias_experiment_check(capsys):
-    check_length_bias_experiment(_length_run)
+    check_length_bias_experiment(wrong_answer_lengths)
     assert "longer" in capsys.readouterr().out
     with pytest.raises(CheckFailed):       # one aggregation for both: no gap
-        check_length_bias_experiment(lambda lt, s: _length_run("dapo", s))
+        check_length_bias_experiment(lambda lt, s: wrong_answer_lengths("dapo", s))
+
+
+# ------------------------------------------------------------------ the GRPO loss
+def grpo_loss_ok(logp, old, ref, adv, mask, loss_type, epsilon=0.2, epsilon_high=None, beta=0.0, L=None, *,
+                 sign=-1.0, pick=torch.minimum, ratio_to="old", clip=None, kl="k3", select=True, detach=False,
+                 normaliser=None):
+    """A correct answer; each keyword turns one plausible mistake on."""
+    real = mask.bool()
+    zero = torch.zeros_like(logp)
+    lp = torch.where(real, logp, zero) if select else logp * mask
+    lp = lp.detach() if detach else lp
+    base = {"old": old, "ref": ref}[ratio_to]
+    rho = torch.exp(lp - (torch.where(real, base, zero) if select else base * mask))
+    high = epsilon if epsilon_high is None else epsilon_high
+    lo, hi = clip(epsilon, high) if clip else (epsilon, high)
+    a = adv.detach()[:, None]
+    per_token = sign * pick(rho * a, rho.clamp(1 - lo, 1 + hi) * a)
+    if beta:
+        r = torch.where(real, ref, zero)
+        d = r - lp
+        per_token = per_token + beta * {"k3": d.exp() - d - 1, "k3 reversed": (-d).exp() + d - 1, "k1": -d,
+                                        "ratio k3": rho * (d.exp() - d - 1)}[kl]
+    m = mask.to(per_token.dtype)
+    total = torch.where(real, per_token, zero) if select else per_token * m
+    loss_type = normaliser or loss_type
+    if loss_type == "grpo":
+        return (total.sum(1) / m.sum(1)).mean()
+    if loss_type == "dapo":
+        return total.sum() / m.sum()
+    return total.sum() / (per_token.shape[0] * L)
+
+
+def _wrong_loss(**mistake):
+    def fn(*args):
+        return grpo_loss_ok(*args, **mistake)
+    fn.__name__ = "_".join(f"{k}={getattr(v, '__name__', v)}" for k, v in mistake.items())
+    return fn
+
+
+GRPO_LOSS_MISTAKES = {
+    "the sign: J instead of -J": dict(sign=1.0),
+    "max instead of min": dict(pick=torch.maximum),
+    "the ratio against the reference": dict(ratio_to="ref"),
+    "no clip": dict(clip=lambda e, h: (1e9, 1e9)),
+    "the clip's sides swapped": dict(clip=lambda e, h: (h, e)),
+    "epsilon_high ignored": dict(clip=lambda e, h: (e, e)),
+    "k3 of the reverse direction": dict(kl="k3 reversed"),
+    "k1 for k3": dict(kl="k1"),
+    "TRL's ratio-weighted k3": dict(kl="ratio k3"),
+    "padding multiplied by the mask (nan)": dict(select=False),
+    "the ratio of detached log-probs": dict(detach=True),
+    "always the token mean": dict(normaliser="dapo"),
+}
+
+
+def test_grpo_loss_check(capsys):
+    check_grpo_loss(grpo_loss_ok)
+    check_grpo_loss(lambda *a: grpo_loss_ok(*(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point()
+                                              else x for x in a)))            # float64 is fine
+    assert capsys.readouterr().out.count("passed") == 2
+
+
+@pytest.mark.parametrize("mistake", GRPO_LOSS_MISTAKES.values(), ids=GRPO_LOSS_MISTAKES.keys())
+def test_grpo_loss_check_catches(mistake):
+    with pytest.raises(CheckFailed):
+        check_grpo_loss(_wrong_loss(**mistake))
+
+
+# ------------------------------------------------------------------ one GRPO step
+def grpo_step_ok(model, optimizer, tokenizer, task, prompts, generator, K=8, loss_type="dapo", epsilon=0.2,
+                 epsilon_high=None, *, tile=False, batch_advantages=False, zero_grad=True, sampler_logprobs=False,
+                 flip=False, normaliser=None, step_first=False):
+    """A correct step written another way (a loop over groups); each keyword turns one mistake on."""
+    group = list(prompts) * K if tile else [p for p in prompts for _ in range(K)]
+    roll = sample(model, tokenizer, group, task.max_new_tokens, generator=generator)
+    rewards = task.reward(group, roll.completions).float()
+    if batch_advantages:
+        adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+    else:
+        adv = torch.cat([group_advantages(rewards[i:i + K], K) for i in range(0, len(group), K)])
+    logp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, roll.completion_mask, roll.prompt_mask)
+    if sampler_logprobs:
+        logp = roll.logprobs.clone().requires_grad_()
+    loss = grpo_loss_ok(logp, roll.logprobs, None, adv, roll.completion_mask, normaliser or loss_type, epsilon,
+                        epsilon_high, 0.0, task.max_new_tokens)
+    if flip:
+        loss = -loss
+    if step_first:
+        optimizer.step()
+    if zero_grad:
+        optimizer.zero_grad()
+    loss.backward()
+    if not step_first:
+        optimizer.step()
+    return float(rewards.mean())
+
+
+GRPO_STEP_MISTAKES = {
+    "prompts tiled, not grouped": dict(tile=True),
+    "advantages over the whole batch": dict(batch_advantages=True),
+    "no zero_grad": dict(zero_grad=False),
+    "the sampler's log-probs as the model's": dict(sampler_logprobs=True),
+    "gradient ascent on the loss": dict(flip=True),
+    "always the sequence mean": dict(normaliser="grpo"),
+    "step before backward": dict(step_first=True),
+}
+
+
+def test_grpo_step_check(capsys):
+    check_grpo_step(grpo_step_ok)
+    assert "raised held-out exact match" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", GRPO_STEP_MISTAKES.values(), ids=GRPO_STEP_MISTAKES.keys())
+def test_grpo_step_check_catches(mistake):
+    def fn(*args):
+        return grpo_step_ok(*args, **mistake)
+    with pytest.raises(CheckFailed):
+        check_grpo_step(fn)
+
+
+# ------------------------------------------------------------------ find the bug: the temperature
+def grpo_update_ok(model, optimizer, tokenizer, task, prompts, generator, K=8, temperature=0.7, iterations=2,
+                   epsilon=0.2, *, score_at=None, sample_at=None, old_at=None, zero_grad=True, loops=None,
+                   share_over_padding=False, flip=False):
+    """The fixed update; each keyword turns one mistake on (``score_at=1.0`` is the bug as shipped)."""
+    group = [p for p in prompts for _ in range(K)]
+    t_sample = temperature if sample_at is None else sample_at
+    roll = sample(model, tokenizer, group, task.max_new_tokens, temperature=t_sample, generator=generator)
+    adv = group_advantages(task.reward(group, roll.completions).float(), K)
+    mask = roll.completion_mask
+    old = roll.logprobs
+    if old_at is not None:
+        with torch.no_grad():
+            old = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, mask, roll.prompt_mask, old_at)
+    shares = []
+    for _ in range(iterations if loops is None else loops):
+        logp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, mask, roll.prompt_mask,
+                                 temperature if score_at is None else score_at)
+        loss = grpo_loss_ok(logp, old, None, adv, mask, "dapo", epsilon, None, 0.0, task.max_new_tokens)
+        if flip:
+            loss = -loss
+        if zero_grad:
+            optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            ratio = torch.exp(logp - old)
+            outside = ((ratio - 1).abs() > epsilon) & mask.bool()
+            shares.append(float(outside.sum() / (mask.numel() if share_over_padding else mask.sum())))
+    return shares
+
+
+GRPO_UPDATE_MISTAKES = {
+    "the bug as shipped: scored at temperature 1": dict(score_at=1.0),
+    "sampled at temperature 1 as well": dict(sample_at=1.0, score_at=1.0),
+    "old log-probs recomputed at temperature 1": dict(old_at=1.0, score_at=1.0),
+    "no zero_grad": dict(zero_grad=False),
+    "one step, whatever num_iterations says": dict(loops=1),
+    "the share counted over padding too": dict(share_over_padding=True),
+    "gradient ascent": dict(flip=True),
+}
+
+
+def test_grpo_update_check(capsys):
+    check_grpo_update(grpo_update_ok)
+    assert "every ratio is 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", GRPO_UPDATE_MISTAKES.values(), ids=GRPO_UPDATE_MISTAKES.keys())
+def test_grpo_update_check_catches(mistake):
+    def fn(*args):
+        return grpo_update_ok(*args, **mistake)
+    with pytest.raises(CheckFailed):
+        check_grpo_update(fn)
+
+
+def test_the_shipped_bug_is_told_by_its_symptom():
+    with pytest.raises(CheckFailed, match="before any update"):
+        check_grpo_update(lambda *a: grpo_update_ok(*a, score_at=1.0))

@@ -8,7 +8,15 @@
   (multiplying by the mask makes nan);
 * :func:`check_sequence_ratio` - GSPO's length-normalised sequence ratio;
 * :func:`check_length_bias_experiment` - an experiment: the learner's training loop on the exact
-  oracle must reproduce Dr. GRPO's finding (wrong answers grow longer under grpo's aggregation).
+  oracle must reproduce Dr. GRPO's finding (wrong answers grow longer under grpo's aggregation);
+* :func:`check_grpo_loss` - the clipped per-token loss with clip-higher and beta * k3, aggregated by
+  ``loss_type``: value and gradient (mistakes caught: the sign, max for min, the ratio against the
+  reference, no clip, swapped or symmetric clip sides, k3 reversed, k1 for k3, TRL's ratio-weighted
+  k3, another loss_type's average, junk padding let in, a detached ratio);
+* :func:`check_grpo_step` - a whole GRPO update, checked by the gradient it hands the optimiser
+  (against the reference step on the same samples) and by a short training run that must learn;
+* :func:`check_grpo_update` - find the bug: an update that samples at a temperature and takes
+  several clipped steps, fixed; measured by the ratio before any update and every step's gradient.
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ import torch
 from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy, references
 
 __all__ = ["check_group_advantages", "check_aggregate_loss", "check_sequence_ratio",
-           "check_length_bias_experiment"]
+           "check_length_bias_experiment", "check_grpo_loss", "check_grpo_step", "check_grpo_update"]
 
 
 def _unmutated(name, case, fn, *args):
@@ -193,3 +201,250 @@ def check_length_bias_experiment(fn) -> None:
              "grpo at least 0.5 tokens longer than dr_grpo", f"grpo {finals['grpo']:.2f}, dr_grpo {finals['dr_grpo']:.2f}",
              "use aggregate_loss(per_token, mask, loss_type, max_len): the normalisation is the experiment")
     print(f"✔ {name}: wrong answers end {gap:.2f} tokens longer under grpo than under dr_grpo")
+
+
+def _loss_cases(seed):
+    """(case, logprobs, old, ref, advantages, mask): ragged masks, junk padding, ratios on both sides of
+    the clip, advantages of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (B, T) in enumerate([(4, 5), (6, 7)]):
+        lengths = torch.randint(1, T + 1, (B,), generator=gen)
+        lengths[0], lengths[-1] = T, 1
+        mask = (torch.arange(T) < lengths[:, None]).long()
+        logp = -torch.rand(B, T, generator=gen) * 3 - 0.05
+        old = logp + 0.4 * torch.randn(B, T, generator=gen)           # ratios from about 0.3 to 3
+        ref = logp + 0.5 * torch.randn(B, T, generator=gen)
+        junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 7.0])
+        fill = junk.repeat(B * T // 4 + 1)[:B * T].view(B, T)
+        logp, old, ref = (torch.where(mask.bool(), x, fill) for x in (logp, old, ref))
+        adv = torch.randn(B, generator=gen)
+        out.append((f"batch #{i} (B={B}, T={T}, lengths {lengths.tolist()}, padding holds nan, inf and 7)",
+                    logp, old, ref, adv, mask))
+    return out
+
+
+@references("rlcourse.losses.grpo:per_token_loss", "rlcourse.losses.grpo:aggregate_loss")
+def check_grpo_loss(fn) -> None:
+    """``fn(logprobs, old_logprobs, ref_logprobs, advantages, mask, loss_type, epsilon, epsilon_high, beta,
+    max_completion_length) -> scalar``: GRPO's clipped per-token loss plus ``beta * k3``, aggregated by
+    ``loss_type``; its value and its gradient with respect to ``logprobs`` are compared."""
+    __tracebackhide__ = True
+    from rlcourse.losses.grpo import aggregate_loss, per_token_loss
+
+    name = "check_grpo_loss"
+    settings = [("grpo", 0.2, None, 0.0), ("dapo", 0.2, 0.28, 0.0), ("dr_grpo", 0.2, None, 0.04),
+                ("grpo", 0.1, 0.3, 0.1), ("dapo", 0.2, None, 0.04)]
+    n = 0
+    for case, logp, old, ref, adv, mask in _loss_cases(103):
+        real = mask.bool()
+        L = logp.shape[1] + 1
+        for loss_type, eps, eps_high, beta in settings:
+            label = (f"{case}, loss_type={loss_type!r}, epsilon={eps}, epsilon_high={eps_high}, beta={beta}, "
+                     f"max_completion_length={L}")
+            mine = logp.clone().requires_grad_()
+            got = _unmutated(name, label, fn, mine, old, ref, adv, mask, "".join(loss_type), eps, eps_high, beta, L)
+            theirs = logp.clone().requires_grad_()
+            expected = aggregate_loss(per_token_loss(theirs, old, adv, mask, loss_type, eps, eps_high, beta=beta,
+                                                     ref_logprobs=ref, use_bias_correction_kl=False),
+                                      mask, loss_type, L)
+
+            # the usual mistakes, each computed on the real tokens
+            def agg(per_token):
+                return aggregate_loss(torch.where(real, per_token, torch.zeros_like(per_token)), mask, loss_type, L)
+
+            z = torch.zeros_like(logp)
+            lp, o, r = (torch.where(real, x, z).double() for x in (logp, old, ref))
+            a = adv.double()[:, None]
+            high = eps if eps_high is None else eps_high
+            rho, rho_ref = (lp - o).exp(), (lp - r).exp()
+            k3 = (r - lp).exp() - (r - lp) - 1
+
+            def clipped(w, lo, hi):
+                return torch.minimum(w * a, w.clamp(1 - lo, 1 + hi) * a)
+
+            mistakes = [
+                (agg(clipped(rho, eps, high) - beta * k3), "the optimiser minimises: the loss is -min(...) + beta * k3"),
+                (agg(-torch.maximum(rho * a, rho.clamp(1 - eps, 1 + high) * a) + beta * k3),
+                 "PPO's objective takes the min of the clipped and unclipped terms, not the max"),
+                (agg(-clipped(rho_ref, eps, high) + beta * k3),
+                 "the ratio is against pi_old (old_logprobs, the sampler's), not against the reference"),
+                (agg(-rho * a + beta * k3), "the ratio must be clipped to [1 - epsilon, 1 + epsilon_high]"),
+                (agg(-clipped(rho, eps, eps) + beta * k3),
+                 "the clip range is [1 - epsilon, 1 + epsilon_high]: epsilon_high, when given, sets the upper side "
+                 "(clip-higher)"),
+                (agg(-clipped(rho, high, eps) + beta * k3),
+                 "the clip range is [1 - epsilon, 1 + epsilon_high]: epsilon the lower side, epsilon_high the upper"),
+                (agg(-clipped(rho, eps, high) + beta * ((lp - r).exp() - (lp - r) - 1)),
+                 "k3 of KL(pi || pi_ref) is pi_ref/pi - log(pi_ref/pi) - 1: the ratio ref over policy"),
+                (agg(-clipped(rho, eps, high) + beta * (lp - r)), "the KL term is the k3 estimate, not k1 = log pi - log pi_ref"),
+                (agg(-clipped(rho, eps, high) + beta * rho * k3),
+                 "the plain k3 of DeepSeekMath here, not TRL's ratio-weighted one"),
+            ]
+            for other in {"grpo", "dapo", "dr_grpo"} - {loss_type}:
+                mistakes.append((aggregate_loss(per_token_loss(logp, old, adv, mask, loss_type, eps, eps_high, beta=beta,
+                                                               ref_logprobs=ref, use_bias_correction_kl=False),
+                                                mask, other, L),
+                                 f"this is the {other!r} average: average as loss_type says"))
+            for value, hint in mistakes:
+                fail_if_mistake(name, label, expected, got, value, hint)
+            if got is not None and not torch.isfinite(torch.as_tensor(to_numpy(got))).all():
+                fail(name, label, expected, got, "padding may hold nan or inf: leave the padded tokens out")
+            assert_close(name, label, expected, got, atol=1e-5, rtol=1e-5,
+                         hint="-min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A) + beta k3 per token, averaged "
+                              "as loss_type says")
+            expected.backward()
+            if not isinstance(got, torch.Tensor) or got.grad_fn is None:
+                fail(name, label, "a loss with a gradient into logprobs", type(got).__name__,
+                     "compute the loss with torch operations on logprobs, keeping its graph")
+            got.backward()
+            grad = mine.grad if mine.grad is not None else torch.zeros_like(mine)
+            assert_close(name, label + " (gradient with respect to logprobs)", theirs.grad, grad, atol=1e-5, rtol=1e-4,
+                         hint="the value is right but not its gradient: only logprobs carries the graph; "
+                              "old_logprobs, ref_logprobs and the advantages are constants")
+            n += 1
+    passed(name, n)
+
+
+def _reference_update(model, optimizer, tokenizer, task, prompts, generator, num_generations, loss_type="dapo",
+                      epsilon=0.2, epsilon_high=None, temperature=1.0, num_iterations=1):
+    """The reference GRPO update: one group per prompt sampled at ``temperature``, then
+    ``num_iterations`` clipped steps on it. Returns the mean reward and, per step, the share of real
+    tokens whose ratio was outside [1 - epsilon, 1 + epsilon] when its gradient was taken."""
+    from rlcourse.lm import sample, sequence_logprobs
+    from rlcourse.losses.grpo import aggregate_loss, group_advantages, per_token_loss
+
+    group = [p for p in prompts for _ in range(num_generations)]
+    roll = sample(model, tokenizer, group, task.max_new_tokens, temperature=temperature, generator=generator)
+    rewards = task.reward(group, roll.completions).float()
+    advantages = group_advantages(rewards, num_generations)
+    mask = roll.completion_mask
+    outside = []
+    for _ in range(num_iterations):
+        logp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, mask, roll.prompt_mask, temperature)
+        per_token = per_token_loss(logp, roll.logprobs, advantages, mask, loss_type, epsilon, epsilon_high)
+        loss = aggregate_loss(per_token, mask, loss_type, task.max_new_tokens)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        ratio = torch.exp(logp.detach() - roll.logprobs)
+        outside.append(float((((ratio - 1).abs() > epsilon) & mask.bool()).sum() / mask.sum()))
+    return float(rewards.mean()), outside
+
+
+def _addition_start():
+    """The task, the ``addition-partial`` checkpoint (eval mode) and its tokenizer: what the step checks train."""
+    from rlcourse.lm import AdditionTask, load_checkpoint
+
+    start, tokenizer = load_checkpoint("addition-partial", device="cpu")
+    return AdditionTask(), start.eval(), tokenizer
+
+
+STEP_SETTINGS = [("dapo", 0.2, None), ("grpo", 0.2, 0.28), ("dr_grpo", 0.2, None)]
+STEP_LEARNING = {"steps": 40, "lr": 1e-4, "groups": 8, "held_out": 300, "margin": 0.05}
+
+
+def check_grpo_step(fn) -> None:
+    """``fn(model, optimizer, tokenizer, task, prompts, generator, num_generations, loss_type, epsilon,
+    epsilon_high) -> mean reward``: one GRPO update. Checked twice: the gradient each of two calls hands
+    the optimiser equals the reference step's (same weights, same generator), and 40 steps with Adam
+    from ``addition-partial`` raise greedy exact match on 300 held-out prompts by at least 5 points."""
+    __tracebackhide__ = True
+    import copy
+
+    import numpy as np
+
+    from rlcourse.grading._steps import assert_same_gradient, relative_gap, twin_runs
+    from rlcourse.lm import exact_match
+
+    name = "check_grpo_step"
+    task, start, tokenizer = _addition_start()
+    K = 4
+    for loss_type, eps, eps_high in STEP_SETTINGS:
+        case = f"loss_type={loss_type!r}, epsilon={eps}, epsilon_high={eps_high}, {K} completions per prompt"
+        mine, theirs, opt_mine, opt_theirs = twin_runs(start, lr=0.05)
+        gen_mine, gen_theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        for call in (0, 1):                      # the second call starts from the weights the first one moved
+            prompts = task.prompts(6, rng=30 + call)
+            reward = fn(mine, opt_mine, tokenizer, task, list(prompts), gen_mine, K, "".join(loss_type), eps, eps_high)
+            expected_reward, _ = _reference_update(theirs, opt_theirs, tokenizer, task, prompts, gen_theirs, K,
+                                                   loss_type, eps, eps_high)
+            label = f"{case}, call {call + 1}"
+            if len(opt_mine.seen) != call + 1:
+                fail(name, label, f"{call + 1} optimizer.step() call(s) so far", f"{len(opt_mine.seen)}",
+                     "one update per call: zero_grad, backward, step")
+            if reward is None or abs(float(reward) - expected_reward) > 1e-6:
+                fail(name, label, f"mean reward {expected_reward:.4f} of the completions drawn", reward,
+                     "draw the completions once per call: each prompt num_generations times in a row "
+                     "([p for p in prompts for _ in range(num_generations)]), with sample(..., generator=generator); "
+                     "return the mean of their rewards")
+            received, expected = opt_mine.seen[call], opt_theirs.seen[call]
+            if call == 1 and relative_gap(received, expected + opt_mine.seen[0]) < 1e-4:
+                fail(name, label, "the gradient of this call's loss", "the sum of this call's and the last call's",
+                     "gradients add up in .grad across backward() calls: zero them before backward")
+            assert_same_gradient(name, label, expected, received,
+                                 "another direction: the advantages are normalised within each group of "
+                                 "num_generations completions; the ratio is the model's log-probs (with grad) "
+                                 "against the sampler's; padding is left out of every sum")
+    s = STEP_LEARNING
+    held_out = task.test_prompts(s["held_out"])
+    before = exact_match(start, tokenizer, task, held_out)
+    model = copy.deepcopy(start)
+    optimizer = torch.optim.Adam(model.parameters(), lr=s["lr"])
+    gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
+    rewards = [float(fn(model, optimizer, tokenizer, task, task.prompts(s["groups"], rng), gen, 8, "dapo", 0.2, None))
+               for _ in range(s["steps"])]
+    after = exact_match(model, tokenizer, task, held_out)
+    if not after >= before + s["margin"]:
+        fail(name, f"{s['steps']} steps of your grpo_step (Adam, lr {s['lr']}, {s['groups']} prompts x 8)",
+             f"held-out exact match at least {before + s['margin']:.3f} (from {before:.3f})", f"{after:.3f}",
+             f"the mean reward of the training batches went {np.mean(rewards[:5]):.3f} -> {np.mean(rewards[-5:]):.3f} "
+             f"(first and last 5 steps)")
+    print(f"✔ {name}: gradients equal the reference step's ({len(STEP_SETTINGS)} settings x 2 calls); "
+          f"{s['steps']} steps raised held-out exact match {before:.3f} -> {after:.3f}")
+
+
+BUG_SETTINGS = [(0.7, 2), (0.5, 3)]
+
+
+def check_grpo_update(fn) -> None:
+    """``fn(model, optimizer, tokenizer, task, prompts, generator, num_generations, temperature, num_iterations,
+    epsilon) -> [share of tokens outside the clip range at each step]``: the fixed find-the-bug update.
+    Measured: before any update every ratio is 1 (no token outside the clip range at the first step),
+    and the gradient of every step equals the reference update's on the same samples."""
+    __tracebackhide__ = True
+    from rlcourse.grading._steps import assert_same_gradient, twin_runs
+
+    name = "check_grpo_update"
+    task, start, tokenizer = _addition_start()
+    n = 0
+    for temperature, iterations in BUG_SETTINGS:
+        case = f"temperature {temperature}, num_iterations {iterations}, 6 prompts x 8 completions"
+        mine, theirs, opt_mine, opt_theirs = twin_runs(start, lr=0.02)
+        prompts = task.prompts(6, rng=40)
+        shares = fn(mine, opt_mine, tokenizer, task, list(prompts), torch.Generator().manual_seed(6), 8, temperature,
+                    iterations, 0.2)
+        _, expected_shares = _reference_update(theirs, opt_theirs, tokenizer, task, prompts,
+                                               torch.Generator().manual_seed(6), 8, "dapo", 0.2, None, temperature,
+                                               iterations)
+        if len(opt_mine.seen) != iterations:
+            fail(name, case, f"{iterations} optimizer steps", f"{len(opt_mine.seen)}",
+                 "one optimizer step per iteration on the batch")
+        if shares is None or len(shares) != iterations:
+            fail(name, case, f"a list of {iterations} shares", shares, "return the list the function builds")
+        if float(shares[0]) > 0:
+            fail(name, case, "no token outside the clip range before any update (every ratio is 1)",
+                 f"{float(shares[0]):.1%} of the tokens outside [0.8, 1.2] at the first step",
+                 "at the first step the policy is the one that drew the tokens, so pi / pi_old must be exactly 1: "
+                 "the two log-probs of a token are not of the same distribution")
+        for step, (expected, received) in enumerate(zip(opt_theirs.seen, opt_mine.seen)):
+            assert_same_gradient(name, f"{case}, step {step + 1}", expected, received,
+                                 "another direction: the completions are drawn and scored at the same temperature, "
+                                 "and each step starts from zeroed gradients",
+                                 longer="the log-probs are not those of the distribution the tokens were drawn from "
+                                        "(a temperature divides the logits), or the average is over other terms")
+            n += 1
+        if abs(float(shares[-1]) - expected_shares[-1]) > 0.01:       # a token of about 150 may round across
+            fail(name, f"{case}, step {iterations}", f"{expected_shares[-1]:.4f} of the tokens outside the clip range",
+                 float(shares[-1]), "the share of real tokens whose ratio is outside [1 - epsilon, 1 + epsilon]")
+    print(f"✔ {name}: every ratio is 1 before the first update, and all {n} steps match the reference's gradient")
