@@ -4,9 +4,13 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 import torch.nn.functional as F
 
+import pytest
+
 from grading_asserts import grading_tests
-from rlcourse.grading.lesson11 import (check_dpo_loss, check_fit_dpo_policy, check_implicit_reward,
-                                       check_ipo_loss)
+from rlcourse.grading import CheckFailed
+from rlcourse.grading.lesson11 import (check_completion_logprobs, check_dpo_loss, check_dpo_step, check_fit_dpo_policy,
+                                       check_implicit_reward, check_ipo_loss)
+from rlcourse.lm import sequence_logprobs
 from rlcourse.preference_oracle import train_tabular_policy
 
 
@@ -195,3 +199,78 @@ WRONG = [
 ]
 
 test_right_answers_pass, test_wrong_answers_fail_with_a_hint = grading_tests(RIGHT, WRONG)
+
+
+# ------------------------------------------------------------------ one DPO step
+def dpo_step_ok(model, ref_model, optimizer, batch, beta, *, mistake=None):
+    """A correct step (the pair loss written out); ``mistake`` turns one plausible slip on."""
+    args = (batch["prompt_ids"], batch["completion_ids"], batch["completion_mask"], batch["prompt_mask"])
+    tokens = sequence_logprobs(model, *args)
+    seq = tokens.sum(-1) / batch["completion_mask"].sum(-1) if mistake == "token mean" else tokens.sum(-1)
+    chosen, rejected = seq.chunk(2)
+    if mistake == "swapped":
+        chosen, rejected = rejected, chosen
+    with torch.no_grad():
+        ref_chosen, ref_rejected = sequence_logprobs(model if mistake == "policy as reference" else ref_model,
+                                                     *args).sum(-1).chunk(2)
+    if mistake == "no reference":
+        ref_chosen, ref_rejected = torch.zeros_like(ref_chosen), torch.zeros_like(ref_rejected)
+    margin = (chosen - ref_chosen) - (rejected - ref_rejected)
+    per_pair = -torch.nn.functional.logsigmoid((1.0 if mistake == "beta left out" else beta) * margin)
+    loss = per_pair.sum() if mistake == "sum over pairs" else per_pair.mean()
+    if mistake != "no zero_grad":
+        optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+DPO_STEP_MISTAKES = ["token mean", "swapped", "policy as reference", "no reference", "beta left out",
+                     "sum over pairs", "no zero_grad"]
+
+
+def test_dpo_step_check(capsys):
+    check_dpo_step(dpo_step_ok)
+    assert "held-out pairs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", DPO_STEP_MISTAKES)
+def test_dpo_step_check_catches(mistake):
+    with pytest.raises(CheckFailed):
+        check_dpo_step(lambda *a: dpo_step_ok(*a, mistake=mistake))
+
+
+# ------------------------------------------------------------------ find the bug: completion log-probs
+def completion_logprobs_ok(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, mistake=None):
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    positions = None if mistake == "default positions" else (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+    P = prompt_ids.shape[1]
+    window = logits[:, P:] if mistake == "the shipped off-by-one" else logits[:, P - 1:-1]
+    if mistake == "probabilities":
+        scores = torch.softmax(window, -1)
+    else:
+        scores = torch.log_softmax(window, -1)
+    if mistake == "log-softmax summed over the vocabulary":
+        token = scores.sum(-1)
+    else:
+        token = scores.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    if mistake == "padding kept":
+        return token
+    return token * completion_mask
+
+
+COMPLETION_MISTAKES = ["the shipped off-by-one", "default positions", "probabilities",
+                       "log-softmax summed over the vocabulary", "padding kept"]
+
+
+def test_completion_logprobs_check(capsys):
+    check_completion_logprobs(completion_logprobs_ok)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", COMPLETION_MISTAKES)
+def test_completion_logprobs_check_catches(mistake):
+    with pytest.raises(CheckFailed):
+        check_completion_logprobs(lambda *a: completion_logprobs_ok(*a, mistake=mistake))

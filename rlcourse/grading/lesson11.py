@@ -4,7 +4,9 @@ the categorical bandit (an experiment judged by the KL to the closed-form optimu
 The cases expose the usual slips: ``beta`` forgotten or applied twice, the reference log-probs
 left out, chosen and rejected swapped, ``-log(sigmoid(z))`` overflowing for confident pairs, a
 batch mean where one loss per pair is expected, IPO's target written as ``1/beta``, inputs
-modified in place.
+modified in place. Two checks run whole pieces of a trainer: :func:`check_dpo_step` (one DPO update,
+judged by its gradient and by what 30 steps of it learn) and :func:`check_completion_logprobs` (the
+find-the-bug exercise: per-token log-probs from one forward pass, against the course's).
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import torch
 
 from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy, references
 
-__all__ = ["check_dpo_loss", "check_implicit_reward", "check_ipo_loss", "check_fit_dpo_policy"]
+__all__ = ["check_dpo_loss", "check_implicit_reward", "check_ipo_loss", "check_fit_dpo_policy", "check_dpo_step",
+           "check_completion_logprobs"]
 
 
 def _grad_free(x):
@@ -188,3 +191,168 @@ def check_fit_dpo_policy(fn) -> None:
                 hint = "it looks like the reference was left out of the log-ratios"
             fail(name, case, "KL(pi_fit || pi*) < 0.01", f"KL = {kl:.4f}", hint)
     passed(name, len(cases))
+
+
+def _preference_start():
+    """The preference task, the ``preference-sft`` policy (eval mode), its frozen reference and tokenizer."""
+    import copy
+
+    from rlcourse.lm import PreferenceTask, load_checkpoint
+
+    start, tokenizer = load_checkpoint("preference-sft", device="cpu")
+    start.eval()
+    return PreferenceTask(), start, copy.deepcopy(start).requires_grad_(False), tokenizer
+
+
+def _reference_dpo_step(model, ref_model, optimizer, batch, beta):
+    from rlcourse.lm import sequence_logprobs
+    from rlcourse.losses.dpo import dpo_sigmoid_loss
+
+    def logps(m):
+        return sequence_logprobs(m, batch["prompt_ids"], batch["completion_ids"], batch["completion_mask"],
+                                 batch["prompt_mask"]).sum(-1).chunk(2)
+
+    chosen, rejected = logps(model)
+    with torch.no_grad():
+        ref_chosen, ref_rejected = logps(ref_model)
+    loss = dpo_sigmoid_loss(chosen, rejected, ref_chosen, ref_rejected, beta).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
+
+
+def _as_float(x):
+    return float(x.detach()) if isinstance(x, torch.Tensor) else x
+
+
+DPO_STEP_LEARNING = {"steps": 30, "pairs": 32, "lr": 1e-3, "beta": 0.1, "held_out": 500, "accuracy": 0.6}
+
+
+@references("rlcourse.lm.dpo:train_dpo", "rlcourse.lm.dpo:batch_loss", *_DPO_LIBRARY)
+def check_dpo_step(fn) -> None:
+    """``fn(model, ref_model, optimizer, batch, beta) -> loss``: one DPO update on a batch of pairs
+    (:func:`rlcourse.lm.reward_model.encode_preference_pairs`' layout, chosen rows first). Checked by
+    the gradient two calls hand the optimiser (against the reference step from the same weights), then
+    by 30 steps from ``preference-sft``: the implicit reward must order at least 60% of 500 held-out
+    pairs the way the labels do (it orders none before training: every implicit reward is 0)."""
+    __tracebackhide__ = True
+    import math
+
+    import numpy as np
+
+    from rlcourse.grading._steps import assert_same_gradient, relative_gap, twin_runs
+    from rlcourse.lm import sequence_logprobs
+    from rlcourse.lm.reward_model import encode_preference_pairs
+
+    name = "check_dpo_step"
+    task, start, ref, tokenizer = _preference_start()
+    for beta in (0.1, 0.5):
+        mine, theirs, opt_mine, opt_theirs = twin_runs(start, lr=0.5)
+        for call in (0, 1):            # the second call: the policy has moved, the reference has not
+            batch = encode_preference_pairs(tokenizer, task.preference_pairs(12, rng=50 + call))
+            label = f"beta={beta}, a batch of 12 pairs, call {call + 1}"
+            loss = _as_float(fn(mine, ref, opt_mine, {k: v.clone() for k, v in batch.items()}, beta))
+            expected_loss = _reference_dpo_step(theirs, ref, opt_theirs, batch, beta)
+            if len(opt_mine.seen) != call + 1:
+                fail(name, label, f"{call + 1} optimizer.step() call(s) so far", f"{len(opt_mine.seen)}",
+                     "one update per call: zero_grad, backward, step")
+            if call == 1 and loss is not None and abs(float(loss) - math.log(2)) < 1e-6 < abs(expected_loss - math.log(2)):
+                fail(name, label, f"loss {expected_loss:.4f}", f"{float(loss):.6f} = log 2",
+                     "every implicit reward is 0 although the policy has moved: the reference log-probs must "
+                     "come from ref_model, which stays where it was")
+            received, expected = opt_mine.seen[call], opt_theirs.seen[call]
+            if call == 1 and relative_gap(received, expected + opt_mine.seen[0]) < 1e-4:
+                fail(name, label, "the gradient of this call's loss", "the sum of this call's and the last call's",
+                     "gradients add up in .grad across backward() calls: zero them before backward")
+            assert_same_gradient(name, label, expected, received,
+                                 "another direction: the chosen rows come first in the batch, then the rejected ones; "
+                                 "a sequence's log-prob is the sum over its real tokens; the reference is a constant",
+                                 longer="the loss is averaged over another number of terms (one loss per pair, "
+                                        "averaged over the pairs), or beta is applied differently")
+            if loss is None or abs(float(loss) - expected_loss) > 1e-5:
+                fail(name, label, f"loss {expected_loss:.6f} (the mean over the batch's pairs)", loss,
+                     "return the loss the update minimised, as a float")
+    s = DPO_STEP_LEARNING
+    held_out = encode_preference_pairs(tokenizer, task.preference_pairs(s["held_out"], rng=2))
+
+    def accuracy(model):
+        with torch.no_grad():
+            args = (held_out["prompt_ids"], held_out["completion_ids"], held_out["completion_mask"],
+                    held_out["prompt_mask"])
+            chosen, rejected = sequence_logprobs(model, *args).sum(-1).chunk(2)
+            ref_chosen, ref_rejected = sequence_logprobs(ref, *args).sum(-1).chunk(2)
+        return float(((chosen - ref_chosen) > (rejected - ref_rejected)).float().mean())
+
+    import copy
+
+    model = copy.deepcopy(start)
+    optimizer = torch.optim.Adam(model.parameters(), lr=s["lr"])
+    pairs = task.preference_pairs(s["steps"] * s["pairs"], rng=10)
+    losses = [_as_float(fn(model, ref, optimizer, encode_preference_pairs(tokenizer, pairs[k * s["pairs"]:(k + 1) * s["pairs"]]),
+                       s["beta"])) for k in range(s["steps"])]
+    after = accuracy(model)
+    if not after >= s["accuracy"]:
+        fail(name, f"{s['steps']} steps of your dpo_step (Adam, lr {s['lr']}, {s['pairs']} pairs, beta {s['beta']})",
+             f"the implicit reward ordering at least {s['accuracy']:.0%} of {s['held_out']} held-out pairs",
+             f"{after:.1%}", f"the training loss went {np.mean(losses[:5]):.3f} -> {np.mean(losses[-5:]):.3f} "
+                              f"(first and last 5 steps)")
+    print(f"✔ {name}: gradients equal the reference step's (2 betas x 2 calls); {s['steps']} steps: the implicit "
+          f"reward orders {after:.1%} of {s['held_out']} held-out pairs as the labels do")
+
+
+def _completion_cases(tokenizer, task):
+    """Batches that expose an off-by-one, a padding slip or a log-softmax not gathered: left-padded
+    prompts of several lengths, right-padded completions of several lengths."""
+    from rlcourse.lm.reward_model import encode_preference_pairs
+
+    cases = []
+    for i, n in enumerate((3, 7)):
+        batch = encode_preference_pairs(tokenizer, task.preference_pairs(n, rng=60 + i))
+        cases.append((f"{2 * n} completions (completions of lengths "
+                      f"{sorted(set(batch['completion_mask'].sum(1).tolist()))}, right-padded)", batch))
+    # Every prompt of this task has one length: pad them on the left by 2 more columns, as a batch
+    # with longer prompts would, so that a position counted from column 0 is off by 2.
+    padded = dict(batch)
+    pad = torch.full((batch["prompt_ids"].shape[0], 2), tokenizer.pad_token_id, dtype=batch["prompt_ids"].dtype)
+    padded["prompt_ids"] = torch.cat([pad, batch["prompt_ids"]], 1)
+    padded["prompt_mask"] = torch.cat([torch.zeros_like(pad), batch["prompt_mask"]], 1)
+    cases.append((f"{2 * n} completions, every prompt left-padded by 2 columns", padded))
+    return cases
+
+
+@references("rlcourse.lm.logprobs:sequence_logprobs", "rlcourse.lm.logprobs:completion_logits",
+            "rlcourse.lm.logprobs:token_logprobs_from_logits")
+def check_completion_logprobs(fn) -> None:
+    """``fn(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> (B, T)``: the model's
+    log-prob of every real completion token, 0 on padding, from one forward pass; compared with
+    :func:`rlcourse.lm.sequence_logprobs` on batches with padding on both sides."""
+    __tracebackhide__ = True
+    from rlcourse.lm import sequence_logprobs
+
+    name = "check_completion_logprobs"
+    task, model, _, tokenizer = _preference_start()
+    n = 0
+    for case, b in _completion_cases(tokenizer, task):
+        args = (b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"])
+        with torch.no_grad():
+            got = fn(model, *(a.clone() for a in args))
+            expected = sequence_logprobs(model, b["prompt_ids"], b["completion_ids"], b["completion_mask"],
+                                         b["prompt_mask"])
+        if got is not None and tuple(getattr(got, "shape", ())) == tuple(expected.shape):
+            g = torch.as_tensor(to_numpy(got))
+            real = b["completion_mask"].bool()
+            if bool((g[real] > 1e-6).any()):
+                fail(name, case, "log-probabilities (<= 0) at the real tokens", got,
+                     "a log-prob is at most 0: take log_softmax over the vocabulary, then the entry of the token")
+            if bool((g[~real] != 0).any()):
+                fail(name, case, "0 at every padded position", got, "a pad is not a token of the completion")
+            gap = float((g[real] - expected[real].double()).abs().max())
+            if gap > 1e-4:
+                fail(name, case, expected, got,
+                     f"the real tokens' log-probs differ by up to {gap:.3g} from the model's own: these are "
+                     "log-probabilities, but not the ones the model gives these tokens after their prefixes")
+        assert_close(name, case, expected, got, atol=1e-4, rtol=1e-4,
+                     hint="shape (B, T): log pi(y_t | x, y_<t) at real tokens, 0 at padding")
+        n += 1
+    passed(name, n)
