@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcourse.grading import (CheckFailed, check_bradley_terry_loss, check_eos_experiment,
-                              check_kl_shaped_rewards, check_score_at_last_token, check_token_gae)
+                              check_kl_shaped_rewards, check_ppo_update, check_score_at_last_token, check_token_gae)
 from rlcourse.lm.ppo_rlhf import kl_shaped_rewards
 from rlcourse.lm.reward_model import score_at_last_token
 from rlcourse.losses import bradley_terry_loss
@@ -174,3 +174,53 @@ def gae_over_prefix(r, v, m, g, lam):       # right padding assumed: the first m
 def test_families_the_checks_now_vary(check, wrong, hint):
     with pytest.raises(CheckFailed, match=re.escape(hint)):
         check(wrong)
+
+
+# ------------------------------------------------------------------ the PPO-RLHF update
+def ppo_update_ok(policy, value_model, optimizer, batch, kl_coef=0.05, lam=0.95, cliprange=0.2, cliprange_value=0.2,
+                  vf_coef=0.1, *, mistake=None):
+    """A correct update from the course's shaping and GAE; ``mistake`` turns one plausible slip on."""
+    from rlcourse.lm import sequence_logprobs
+    from rlcourse.lm.value_model import token_values
+    from rlcourse.returns import whiten
+
+    mask = batch["completion_mask"]
+    real = mask.bool()
+    rewards = kl_shaped_rewards(batch["scores"], batch["logprobs"], batch["ref_logprobs"], mask, kl_coef)[0]
+    advantages = gae(rewards, batch["values"], 1.0, lam, mask=mask)
+    white = whiten(advantages, mask)
+    returns = ((white if mistake == "returns from whitened advantages" else advantages) + batch["values"]) * mask
+    advantages = advantages if mistake == "no whitening" else white
+    logprobs = sequence_logprobs(policy, batch["prompt_ids"], batch["completion_ids"], mask, batch["prompt_mask"])
+    values = token_values(value_model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask)
+    ratio = torch.exp(logprobs - (batch["ref_logprobs"] if mistake == "ratio against the reference" else batch["logprobs"]))
+    pick = torch.minimum if mistake == "min of the losses" else torch.maximum
+    policy_loss = pick(-advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange))
+    old = batch["values"]
+    moved = old + (values - old).clamp(-cliprange_value, cliprange_value)
+    critic_loss = 0.5 * ((values - returns) ** 2 if mistake == "no value clip"
+                         else torch.maximum((values - returns) ** 2, (moved - returns) ** 2))
+    if mistake == "means over padding":
+        loss = policy_loss.mean() + vf_coef * critic_loss.mean()
+    else:
+        loss = policy_loss[real].mean() + (1.0 if mistake == "vf_coef left out" else vf_coef) * critic_loss[real].mean()
+    if mistake != "no zero_grad":
+        optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
+
+
+PPO_UPDATE_MISTAKES = ["returns from whitened advantages", "no whitening", "ratio against the reference",
+                       "min of the losses", "no value clip", "means over padding", "vf_coef left out", "no zero_grad"]
+
+
+def test_ppo_update_check(capsys):
+    check_ppo_update(ppo_update_ok)
+    assert "raised held-out exact match" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", PPO_UPDATE_MISTAKES)
+def test_ppo_update_check_catches(mistake):
+    with pytest.raises(CheckFailed):
+        check_ppo_update(lambda *a: ppo_update_ok(*a, mistake=mistake))

@@ -6,7 +6,8 @@ import torch
 
 from rlcourse.grading import CheckFailed
 from rlcourse.grading.lesson09 import (check_leave_one_out_advantages, check_policy_gradient_loss,
-                                       check_rloo_gradient_estimate)
+                                       check_rloo_gradient_estimate, check_rloo_step)
+from rlcourse.lm import sample, sequence_logprobs
 
 
 def loo_ok(rewards, K):
@@ -124,3 +125,48 @@ def test_rloo_estimate_check(capsys):
     for wrong in ("mean", "none"):
         with pytest.raises(CheckFailed):
             check_rloo_gradient_estimate(lambda p, r, K, g, w=wrong: _estimate(p, r, K, g, w))
+
+
+# ------------------------------------------------------------------ one RLOO step
+def rloo_step_ok(model, optimizer, tokenizer, task, prompts, generator, K=8, *, mistake=None):
+    """A correct step written with a loop over groups; ``mistake`` turns one plausible slip on."""
+    group = list(prompts) * K if mistake == "prompts tiled" else [p for p in prompts for _ in range(K)]
+    roll = sample(model, tokenizer, group, task.max_new_tokens, generator=generator)
+    rewards = task.reward(group, roll.completions).float()
+    adv = []
+    for i in range(0, len(group), K):
+        r = rewards[i:i + K]
+        baseline = r.mean() if mistake == "baseline includes the sample" else (r.sum() - r) / (K - 1)
+        adv.append(r - baseline)
+    adv = torch.cat(adv)
+    if mistake == "no baseline":
+        adv = rewards
+    logp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, roll.completion_mask, roll.prompt_mask)
+    real = torch.where(roll.completion_mask.bool(), logp, torch.zeros_like(logp))
+    if mistake == "token mean":
+        seq = real.sum(1) / roll.completion_mask.sum(1)
+    else:
+        seq = real.sum(1)
+    loss = -(adv * seq).mean()
+    if mistake == "ascent":
+        loss = -loss
+    if mistake != "no zero_grad":
+        optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return float(rewards.mean())
+
+
+RLOO_STEP_MISTAKES = ["prompts tiled", "baseline includes the sample", "no baseline", "token mean", "ascent",
+                      "no zero_grad"]
+
+
+def test_rloo_step_check(capsys):
+    check_rloo_step(rloo_step_ok)
+    assert "raised held-out exact match" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", RLOO_STEP_MISTAKES)
+def test_rloo_step_check_catches(mistake):
+    with pytest.raises(CheckFailed):
+        check_rloo_step(lambda *a: rloo_step_ok(*a, mistake=mistake))

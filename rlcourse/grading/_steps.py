@@ -13,7 +13,8 @@ import torch
 
 from rlcourse.grading._core import fail
 
-__all__ = ["RecordingSGD", "twin_runs", "assert_same_gradient", "relative_gap"]
+__all__ = ["RecordingSGD", "twin_runs", "assert_same_gradient", "assert_call_gradient", "relative_gap",
+           "check_sampling_step"]
 
 
 class RecordingSGD(torch.optim.Optimizer):
@@ -61,9 +62,7 @@ def relative_gap(received: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def assert_same_gradient(check: str, case: str, expected: torch.Tensor, received: torch.Tensor | None,
-                         otherwise: str, tol: float = 1e-4,
-                         longer: str = "the average is taken over the wrong number of terms (check the normaliser "
-                                       "of loss_type and the mask)") -> None:
+                         otherwise: str, tol: float = 1e-4, longer: str | None = None) -> None:
     """Fail unless the gradient the learner's step applied equals the reference step's (relative ``tol``).
 
     The message says what was measured: no step, a zero gradient, the opposite direction, the right
@@ -88,9 +87,80 @@ def assert_same_gradient(check: str, case: str, expected: torch.Tensor, received
              "your gradient points the other way: the optimiser minimises the loss, so the loss is -J")
     if cosine > 0.999:
         fail(check, case, "the reference step's gradient", measured,
-             f"the right direction at {norm / ref_norm:.3g} times the length: {longer}")
+             f"the right direction at {norm / ref_norm:.3g} times the length: {longer or _LONGER}")
     if cosine > 0.99:
         fail(check, case, "the reference step's gradient", measured,
              "almost the reference's direction: the same tokens weighted differently (check the average that "
              "loss_type asks for)")
     fail(check, case, "the reference step's gradient", measured, otherwise)
+
+
+_LONGER = "the average is taken over the wrong number of terms (check the normaliser of loss_type and the mask)"
+
+
+def assert_call_gradient(check: str, case: str, call: int, mine: RecordingSGD, theirs: RecordingSGD, otherwise: str,
+                         longer: str = _LONGER) -> None:
+    """After call ``call`` (0-based) of the learner's step and of the reference's: one ``step()`` per call
+    so far, no gradient left over from the previous call, and the same gradient (:func:`assert_same_gradient`)."""
+    __tracebackhide__ = True
+    if len(mine.seen) != call + 1:
+        fail(check, case, f"{call + 1} optimizer.step() call(s) so far", f"{len(mine.seen)}",
+             "one update per call: zero_grad, backward, step")
+    received, expected = mine.seen[call], theirs.seen[call]
+    if call > 0 and relative_gap(received, expected + mine.seen[call - 1]) < 1e-4:
+        fail(check, case, "the gradient of this call's loss", "the sum of this call's and the last call's",
+             "gradients add up in .grad across backward() calls: zero them before backward")
+    assert_same_gradient(check, case, expected, received, otherwise, longer=longer)
+
+
+def check_sampling_step(name: str, fn, reference, settings: list, learning: dict, otherwise: str) -> None:
+    """The two measurements of a sampling policy-gradient step (lessons 09 and 10) on ``addition-partial``.
+
+    ``fn(model, optimizer, tokenizer, task, prompts, generator, num_generations, *extra) -> mean reward``
+    and ``reference`` (same signature; it returns ``(mean reward, ...)``). For each ``(label, extra)`` of
+    ``settings``: two calls from the same weights and generator seed as the reference's, each call's
+    gradient compared (:func:`assert_same_gradient`, ``otherwise`` for another direction). Then
+    ``learning["steps"]`` calls with Adam (``lr``, ``groups`` prompts x ``num_generations``, ``extra``)
+    must raise greedy exact match on ``held_out`` prompts by ``margin``.
+    """
+    __tracebackhide__ = True
+    import copy
+
+    import numpy as np
+
+    from rlcourse.lm import AdditionTask, exact_match, load_checkpoint
+
+    task = AdditionTask()
+    start, tokenizer = load_checkpoint("addition-partial", device="cpu")
+    start.eval()
+    K = 4
+    for case, extra in settings:
+        mine, theirs, opt_mine, opt_theirs = twin_runs(start, lr=0.05)
+        gen_mine, gen_theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        for call in (0, 1):                      # the second call starts from the weights the first one moved
+            prompts = task.prompts(6, rng=30 + call)
+            reward = fn(mine, opt_mine, tokenizer, task, list(prompts), gen_mine, K, *extra)
+            expected_reward = reference(theirs, opt_theirs, tokenizer, task, prompts, gen_theirs, K, *extra)[0]
+            label = f"{case}, {K} completions per prompt, call {call + 1}"
+            if reward is None or abs(float(reward) - expected_reward) > 1e-6:
+                fail(name, label, f"mean reward {expected_reward:.4f} of the completions drawn", reward,
+                     "draw the completions once per call: each prompt num_generations times in a row "
+                     "([p for p in prompts for _ in range(num_generations)]), with sample(..., generator=generator); "
+                     "return the mean of their rewards")
+            assert_call_gradient(name, label, call, opt_mine, opt_theirs, otherwise)
+    s = learning
+    held_out = task.test_prompts(s["held_out"])
+    before = exact_match(start, tokenizer, task, held_out)
+    model = copy.deepcopy(start)
+    optimizer = torch.optim.Adam(model.parameters(), lr=s["lr"])
+    gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
+    rewards = [float(fn(model, optimizer, tokenizer, task, task.prompts(s["groups"], rng), gen, s["num_generations"],
+                        *s["extra"])) for _ in range(s["steps"])]
+    after = exact_match(model, tokenizer, task, held_out)
+    if not after >= before + s["margin"]:
+        fail(name, f"{s['steps']} steps of your step (Adam, lr {s['lr']}, {s['groups']} prompts x {s['num_generations']})",
+             f"held-out exact match at least {before + s['margin']:.3f} (from {before:.3f})", f"{after:.3f}",
+             f"the mean reward of the training batches went {np.mean(rewards[:5]):.3f} -> {np.mean(rewards[-5:]):.3f} "
+             f"(first and last 5 steps)")
+    print(f"✔ {name}: gradients equal the reference step's ({len(settings)} setting{'s' * (len(settings) > 1)} x 2 calls); "
+          f"{s['steps']} steps raised held-out exact match {before:.3f} -> {after:.3f}")

@@ -5,7 +5,9 @@ Each check compares the learner's function with the reference in :mod:`rlcourse.
 :mod:`rlcourse.lm.reward_model`, :mod:`rlcourse.lm.ppo_rlhf` or :mod:`rlcourse.returns` on inputs
 built to expose one plausible mistake each: ``log(sigmoid)`` underflowing, the margin's sign, the
 score read at the last column (a pad), the score added at every token, the KL term carrying
-gradient, GAE bootstrapping from the values after ``<eos>``.
+gradient, GAE bootstrapping from the values after ``<eos>``. :func:`check_ppo_update` runs the learner's
+whole PPO-RLHF update (shaping, GAE, whitening, both clipped losses, one step), judged by its gradient
+and by what 30 iterations of it learn.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from rlcourse.grading._core import (assert_close, call_unmutated, fail, fail_if_
 from rlcourse.grading.lesson07b import kept_float64
 
 __all__ = ["check_bradley_terry_loss", "check_score_at_last_token", "check_kl_shaped_rewards",
-           "check_token_gae", "check_eos_experiment"]
+           "check_token_gae", "check_eos_experiment", "check_ppo_update"]
 
 
 def _plain(x):
@@ -308,3 +310,113 @@ def check_eos_experiment(fn) -> None:
              "pass missing_eos_penalty to PPOConfig, use response_length=5, train a fresh copy of the policy "
              "for each run, and return the trained policy")
     print(f"✔ {name}: the EOS trick raised the share of finished completions by at least 0.3")
+
+
+def _ppo_rollout(policy, critic, ref, tokenizer, task, prompts, generator) -> dict:
+    """A PPO-RLHF batch as the trainer's rollout makes it (the task's verifier as the reward)."""
+    from rlcourse.lm import sample, sequence_logprobs
+    from rlcourse.lm.value_model import token_values
+
+    roll = sample(policy, tokenizer, prompts, task.max_new_tokens, generator=generator)
+    with torch.no_grad():
+        ref_logprobs = sequence_logprobs(ref, roll.prompt_ids, roll.completion_ids, roll.completion_mask,
+                                         roll.prompt_mask)
+        values = token_values(critic, roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask)
+    return {"prompt_ids": roll.prompt_ids, "prompt_mask": roll.prompt_mask, "completion_ids": roll.completion_ids,
+            "completion_mask": roll.completion_mask, "logprobs": roll.logprobs, "ref_logprobs": ref_logprobs,
+            "values": values, "scores": task.reward(prompts, roll.completions).float()}
+
+
+def _reference_ppo_update(policy, critic, optimizer, batch, kl_coef, lam, cliprange, cliprange_value, vf_coef):
+    from rlcourse.lm import sequence_logprobs
+    from rlcourse.lm.ppo_rlhf import advantages_and_returns, kl_shaped_rewards, ppo_rlhf_loss
+    from rlcourse.lm.value_model import token_values
+
+    m = batch["completion_mask"]
+    rewards, _ = kl_shaped_rewards(batch["scores"], batch["logprobs"], batch["ref_logprobs"], m, kl_coef)
+    advantages, returns = advantages_and_returns(rewards, batch["values"], m, 1.0, lam)
+    logprobs = sequence_logprobs(policy, batch["prompt_ids"], batch["completion_ids"], m, batch["prompt_mask"])
+    values = token_values(critic, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], m)
+    loss, _, _ = ppo_rlhf_loss(logprobs, batch["logprobs"], advantages, values, batch["values"], returns, m,
+                               cliprange, cliprange_value, vf_coef)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
+
+
+PPO_SETTINGS = [(0.05, 0.95, 0.2, 0.2, 0.1), (0.2, 1.0, 0.1, 0.05, 0.5)]
+PPO_LEARNING = {"iterations": 30, "epochs": 2, "batch": 64, "lr": 1e-4, "held_out": 300, "margin": 0.05}
+
+
+@references("rlcourse.lm.ppo_rlhf:ppo_rlhf_loss",
+            "rlcourse.lm.ppo_rlhf:advantages_and_returns", "rlcourse.lm.ppo_rlhf:kl_shaped_rewards",
+            "rlcourse.losses.policy_gradient:ppo_clip_loss", "rlcourse.losses.policy_gradient:value_loss")
+def check_ppo_update(fn) -> None:
+    """``fn(policy, value_model, optimizer, batch, kl_coef, lam, cliprange, cliprange_value, vf_coef) -> loss``:
+    one PPO-RLHF gradient step on a rollout batch. Checked by the gradient (policy and critic) two calls
+    on one batch hand the optimiser, against the reference update (the second call's ratios and values
+    have moved, so both clips act), then by 30 iterations of PPO on ``addition-partial`` (the verifier
+    as the reward, 2 calls per batch) that must raise held-out exact match by 5 points."""
+    __tracebackhide__ = True
+    import copy
+
+    from rlcourse.grading._steps import RecordingSGD, assert_call_gradient
+    from rlcourse.lm import AdditionTask, exact_match, load_checkpoint
+    from rlcourse.lm.reward_model import ScalarHeadModel
+
+    name = "check_ppo_update"
+    task = AdditionTask()
+    start, tokenizer = load_checkpoint("addition-partial", device="cpu")
+    start.eval()
+    ref = copy.deepcopy(start).requires_grad_(False)
+    moved = copy.deepcopy(start)               # a policy that has left the reference: the KL term is not 0
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(7)
+        for p in moved.parameters():
+            p.add_(0.03 * torch.randn(p.shape, generator=gen))
+    with torch.random.fork_rng():                                 # the learner's random stream is left as it was
+        torch.manual_seed(8)
+        critic = ScalarHeadModel(moved, head_std=0.2).eval()      # values that are not 0
+    for kl_coef, lam, clip, clip_v, vf_coef in PPO_SETTINGS:
+        case = f"kl_coef={kl_coef}, lam={lam}, cliprange={clip}, cliprange_value={clip_v}, vf_coef={vf_coef}"
+        batch = _ppo_rollout(moved, critic, ref, tokenizer, task, task.prompts(24, rng=70),
+                             torch.Generator().manual_seed(9))
+        sides = []
+        for _ in range(2):
+            policy, value_model = copy.deepcopy(moved), copy.deepcopy(critic)
+            sides.append((policy, value_model, RecordingSGD([*policy.parameters(), *value_model.parameters()], lr=0.5)))
+        (p_mine, v_mine, opt_mine), (p_theirs, v_theirs, opt_theirs) = sides
+        for call in (0, 1):                    # the same batch twice: the second call is PPO's second epoch
+            label = f"{case}, 24 completions, call {call + 1} on the batch"
+            loss = fn(p_mine, v_mine, opt_mine, {k: v.clone() for k, v in batch.items()}, kl_coef, lam, clip, clip_v,
+                      vf_coef)
+            expected_loss = _reference_ppo_update(p_theirs, v_theirs, opt_theirs, batch, kl_coef, lam, clip, clip_v,
+                                                  vf_coef)
+            assert_call_gradient(name, label, call, opt_mine, opt_theirs,
+                                 "another direction: the advantages come from your KL-shaped rewards and your GAE "
+                                 "(gamma = 1) and are whitened over the real tokens; the returns are the advantages "
+                                 "before whitening plus the stored values; the ratio is against the batch's "
+                                 "log-probs (the sampler's); both losses are means over the real tokens",
+                                 longer="a loss averaged over another number of terms, or vf_coef applied elsewhere")
+            got = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
+            if got is None or abs(float(got) - expected_loss) > 1e-5:
+                fail(name, label, f"loss {expected_loss:.6f}", got, "return the loss the step minimised, as a float")
+    s = PPO_LEARNING
+    held_out = task.test_prompts(s["held_out"])
+    before = exact_match(start, tokenizer, task, held_out)
+    policy = copy.deepcopy(start)
+    value_model = ScalarHeadModel(policy, head_std=0.0)
+    optimizer = torch.optim.Adam([*policy.parameters(), *value_model.parameters()], lr=s["lr"])
+    gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
+    for _ in range(s["iterations"]):
+        batch = _ppo_rollout(policy, value_model, ref, tokenizer, task, task.prompts(s["batch"], rng), gen)
+        for _ in range(s["epochs"]):
+            fn(policy, value_model, optimizer, batch, 0.05, 0.95, 0.2, 0.2, 0.1)
+    after = exact_match(policy, tokenizer, task, held_out)
+    if not after >= before + s["margin"]:
+        fail(name, f"{s['iterations']} PPO iterations with your update (Adam, lr {s['lr']}, {s['batch']} completions, "
+             f"{s['epochs']} calls per batch)", f"held-out exact match at least {before + s['margin']:.3f} "
+             f"(from {before:.3f})", f"{after:.3f}", "the update is right on one batch but does not learn over many")
+    print(f"✔ {name}: gradients equal the reference update's ({len(PPO_SETTINGS)} settings x 2 calls); "
+          f"{s['iterations']} iterations raised held-out exact match {before:.3f} -> {after:.3f}")

@@ -341,7 +341,8 @@ def _addition_start():
 
 
 STEP_SETTINGS = [("dapo", 0.2, None), ("grpo", 0.2, 0.28), ("dr_grpo", 0.2, None)]
-STEP_LEARNING = {"steps": 40, "lr": 1e-4, "groups": 8, "held_out": 300, "margin": 0.05}
+STEP_LEARNING = {"steps": 40, "lr": 1e-4, "groups": 8, "num_generations": 8, "extra": ("dapo", 0.2, None),
+                 "held_out": 300, "margin": 0.05}
 
 
 def check_grpo_step(fn) -> None:
@@ -350,58 +351,13 @@ def check_grpo_step(fn) -> None:
     the optimiser equals the reference step's (same weights, same generator), and 40 steps with Adam
     from ``addition-partial`` raise greedy exact match on 300 held-out prompts by at least 5 points."""
     __tracebackhide__ = True
-    import copy
+    from rlcourse.grading._steps import check_sampling_step
 
-    import numpy as np
-
-    from rlcourse.grading._steps import assert_same_gradient, relative_gap, twin_runs
-    from rlcourse.lm import exact_match
-
-    name = "check_grpo_step"
-    task, start, tokenizer = _addition_start()
-    K = 4
-    for loss_type, eps, eps_high in STEP_SETTINGS:
-        case = f"loss_type={loss_type!r}, epsilon={eps}, epsilon_high={eps_high}, {K} completions per prompt"
-        mine, theirs, opt_mine, opt_theirs = twin_runs(start, lr=0.05)
-        gen_mine, gen_theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-        for call in (0, 1):                      # the second call starts from the weights the first one moved
-            prompts = task.prompts(6, rng=30 + call)
-            reward = fn(mine, opt_mine, tokenizer, task, list(prompts), gen_mine, K, "".join(loss_type), eps, eps_high)
-            expected_reward, _ = _reference_update(theirs, opt_theirs, tokenizer, task, prompts, gen_theirs, K,
-                                                   loss_type, eps, eps_high)
-            label = f"{case}, call {call + 1}"
-            if len(opt_mine.seen) != call + 1:
-                fail(name, label, f"{call + 1} optimizer.step() call(s) so far", f"{len(opt_mine.seen)}",
-                     "one update per call: zero_grad, backward, step")
-            if reward is None or abs(float(reward) - expected_reward) > 1e-6:
-                fail(name, label, f"mean reward {expected_reward:.4f} of the completions drawn", reward,
-                     "draw the completions once per call: each prompt num_generations times in a row "
-                     "([p for p in prompts for _ in range(num_generations)]), with sample(..., generator=generator); "
-                     "return the mean of their rewards")
-            received, expected = opt_mine.seen[call], opt_theirs.seen[call]
-            if call == 1 and relative_gap(received, expected + opt_mine.seen[0]) < 1e-4:
-                fail(name, label, "the gradient of this call's loss", "the sum of this call's and the last call's",
-                     "gradients add up in .grad across backward() calls: zero them before backward")
-            assert_same_gradient(name, label, expected, received,
-                                 "another direction: the advantages are normalised within each group of "
-                                 "num_generations completions; the ratio is the model's log-probs (with grad) "
-                                 "against the sampler's; padding is left out of every sum")
-    s = STEP_LEARNING
-    held_out = task.test_prompts(s["held_out"])
-    before = exact_match(start, tokenizer, task, held_out)
-    model = copy.deepcopy(start)
-    optimizer = torch.optim.Adam(model.parameters(), lr=s["lr"])
-    gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
-    rewards = [float(fn(model, optimizer, tokenizer, task, task.prompts(s["groups"], rng), gen, 8, "dapo", 0.2, None))
-               for _ in range(s["steps"])]
-    after = exact_match(model, tokenizer, task, held_out)
-    if not after >= before + s["margin"]:
-        fail(name, f"{s['steps']} steps of your grpo_step (Adam, lr {s['lr']}, {s['groups']} prompts x 8)",
-             f"held-out exact match at least {before + s['margin']:.3f} (from {before:.3f})", f"{after:.3f}",
-             f"the mean reward of the training batches went {np.mean(rewards[:5]):.3f} -> {np.mean(rewards[-5:]):.3f} "
-             f"(first and last 5 steps)")
-    print(f"✔ {name}: gradients equal the reference step's ({len(STEP_SETTINGS)} settings x 2 calls); "
-          f"{s['steps']} steps raised held-out exact match {before:.3f} -> {after:.3f}")
+    settings = [(f"loss_type={t!r}, epsilon={e}, epsilon_high={h}", ("".join(t), e, h)) for t, e, h in STEP_SETTINGS]
+    check_sampling_step("check_grpo_step", fn, _reference_update, settings, STEP_LEARNING,
+                        "another direction: the advantages are normalised within each group of num_generations "
+                        "completions; the ratio is the model's log-probs (with grad) against the sampler's; padding "
+                        "is left out of every sum")
 
 
 BUG_SETTINGS = [(0.7, 2), (0.5, 3)]
