@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from rlcourse.grading import (CheckFailed, check_bradley_terry_loss, check_eos_experiment,
-                              check_kl_shaped_rewards, check_ppo_update, check_score_at_last_token, check_token_gae)
+                              check_kl_shaped_rewards, check_ppo_losses, check_ppo_update, check_score_at_last_token,
+                              check_token_gae)
 from rlcourse.lm.ppo_rlhf import kl_shaped_rewards
 from rlcourse.lm.reward_model import score_at_last_token
 from rlcourse.losses import bradley_terry_loss
@@ -224,3 +225,54 @@ def test_ppo_update_check(capsys):
 def test_ppo_update_check_catches(mistake):
     with pytest.raises(CheckFailed):
         check_ppo_update(lambda *a: ppo_update_ok(*a, mistake=mistake))
+
+
+# ------------------------------------------------------------------ find the bug: the PPO losses
+def ppo_losses_ok(policy, value_model, mb, cliprange=0.2, cliprange_value=0.2, *, mistake=None):
+    """The fixed losses; ``mistake`` turns one slip on (``"critic over padding"`` is the bug as shipped)."""
+    from rlcourse.lm import sequence_logprobs
+    from rlcourse.lm.value_model import token_values
+
+    mask = mb["completion_mask"]
+    real = mask.bool()
+    logprobs = sequence_logprobs(policy, mb["prompt_ids"], mb["completion_ids"], mask, mb["prompt_mask"])
+    values = token_values(value_model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mask)
+    ratio = torch.exp(logprobs - mb["logprobs"])
+    a = mb["advantages"]
+    pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - cliprange, 1 + cliprange))
+    policy_loss = pg.mean() if mistake == "policy over padding" else pg[real].mean()
+    moved = mb["values"] + (values - mb["values"]).clamp(-cliprange_value, cliprange_value)
+    if mistake == "no value clip":
+        vf = 0.5 * (values - mb["returns"]) ** 2
+    elif mistake == "value clip around the returns":
+        vf = 0.5 * torch.maximum((values - mb["returns"]) ** 2,
+                                 (mb["returns"] + (values - mb["returns"]).clamp(-cliprange_value, cliprange_value)
+                                  - mb["returns"]) ** 2)
+    else:
+        vf = 0.5 * torch.maximum((values - mb["returns"]) ** 2, (moved - mb["returns"]) ** 2)
+    value_loss = vf.mean() if mistake == "critic over padding" else vf[real].mean()
+    if mistake == "halves left out":
+        value_loss = 2 * value_loss
+    if mistake == "detached critic":
+        value_loss = value_loss.detach().requires_grad_()
+    return policy_loss, value_loss
+
+
+PPO_LOSSES_MISTAKES = ["critic over padding", "policy over padding", "no value clip", "value clip around the returns",
+                       "halves left out", "detached critic"]
+
+
+def test_ppo_losses_check(capsys):
+    check_ppo_losses(ppo_losses_ok)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", PPO_LOSSES_MISTAKES)
+def test_ppo_losses_check_catches(mistake):
+    with pytest.raises(CheckFailed):
+        check_ppo_losses(lambda *a: ppo_losses_ok(*a, mistake=mistake))
+
+
+def test_the_shipped_critic_bug_is_told_by_its_symptom():
+    with pytest.raises(CheckFailed, match="positions are padding"):
+        check_ppo_losses(lambda *a: ppo_losses_ok(*a, mistake="critic over padding"))

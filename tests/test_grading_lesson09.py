@@ -6,7 +6,7 @@ import torch
 
 from rlcourse.grading import CheckFailed
 from rlcourse.grading.lesson09 import (check_leave_one_out_advantages, check_policy_gradient_loss,
-                                       check_rloo_gradient_estimate, check_rloo_step)
+                                       check_rloo_gradient_estimate, check_rloo_kl_step, check_rloo_step)
 from rlcourse.lm import sample, sequence_logprobs
 
 
@@ -170,3 +170,52 @@ def test_rloo_step_check(capsys):
 def test_rloo_step_check_catches(mistake):
     with pytest.raises(CheckFailed):
         check_rloo_step(lambda *a: rloo_step_ok(*a, mistake=mistake))
+
+
+# ------------------------------------------------------------------ find the bug: the KL in the reward
+def rloo_kl_step_ok(model, optimizer, tokenizer, task, prompts, generator, K, ref_model, beta, *, mistake=None):
+    """The fixed step; ``mistake`` turns one slip on (``"penalty with its graph"`` is the bug as shipped)."""
+    group = [p for p in prompts for _ in range(K)]
+    roll = sample(model, tokenizer, group, task.max_new_tokens, generator=generator)
+    mask = roll.completion_mask
+    logp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, mask, roll.prompt_mask)
+    with torch.no_grad():
+        ref = sequence_logprobs(model if mistake == "the policy as reference" else ref_model, roll.prompt_ids,
+                                roll.completion_ids, mask, roll.prompt_mask)
+    task_rewards = task.reward(group, roll.completions).float()
+    diff = (logp if mistake == "penalty with its graph" else logp.detach()) - ref
+    kl = diff.sum(1) / mask.sum(1) if mistake == "mean over tokens" else diff.sum(1)
+    sign = -1.0 if mistake == "penalty added" else 1.0
+    rewards = task_rewards if mistake == "no penalty" else task_rewards - sign * beta * kl
+    g = rewards.view(-1, K)
+    adv = (g - (g.sum(1, keepdim=True) - g) / (K - 1)).reshape(-1)
+    loss = -(adv * logp.sum(1)).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return float(task_rewards.mean())
+
+
+RLOO_KL_MISTAKES = ["penalty with its graph", "the policy as reference", "mean over tokens", "penalty added",
+                    "no penalty"]
+
+
+def test_rloo_kl_step_check(capsys):
+    check_rloo_kl_step(rloo_kl_step_ok)
+    assert "raised held-out exact match" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", RLOO_KL_MISTAKES)
+def test_rloo_kl_step_check_catches(mistake):
+    with pytest.raises(CheckFailed):
+        check_rloo_kl_step(lambda *a: rloo_kl_step_ok(*a, mistake=mistake))
+
+
+def loo_in_float32(rewards, K):                # .float() on everything: float64 rewards lose their digits
+    g = rewards.float().view(-1, K)
+    return (g - (g.sum(1, keepdim=True) - g) / (K - 1)).reshape(-1)
+
+
+def test_a_float32_baseline_is_told_about_precision():
+    with pytest.raises(CheckFailed, match="float32 keeps only about 7 digits"):
+        check_leave_one_out_advantages(loo_in_float32)

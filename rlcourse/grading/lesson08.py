@@ -7,7 +7,8 @@ built to expose one plausible mistake each: ``log(sigmoid)`` underflowing, the m
 score read at the last column (a pad), the score added at every token, the KL term carrying
 gradient, GAE bootstrapping from the values after ``<eos>``. :func:`check_ppo_update` runs the learner's
 whole PPO-RLHF update (shaping, GAE, whitening, both clipped losses, one step), judged by its gradient
-and by what 30 iterations of it learn.
+and by what 30 iterations of it learn; :func:`check_ppo_losses` the fixed find-the-bug losses (one of
+them averaged over the padding too), on ragged completions.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from rlcourse.grading._core import (assert_close, call_unmutated, fail, fail_if_
 from rlcourse.grading.lesson07b import kept_float64
 
 __all__ = ["check_bradley_terry_loss", "check_score_at_last_token", "check_kl_shaped_rewards",
-           "check_token_gae", "check_eos_experiment", "check_ppo_update"]
+           "check_token_gae", "check_eos_experiment", "check_ppo_update", "check_ppo_losses"]
 
 
 def _plain(x):
@@ -327,6 +328,32 @@ def _ppo_rollout(policy, critic, ref, tokenizer, task, prompts, generator) -> di
             "values": values, "scores": task.reward(prompts, roll.completions).float()}
 
 
+def _ppo_start(critic_seed: int, move_seed: int | None = None):
+    """``(task, start, tokenizer, ref, policy, critic)`` for the PPO checks: the ``addition-partial``
+    checkpoint, its frozen copy as the reference, a policy (``start`` itself, or a copy moved by noise
+    seeded ``move_seed`` so that the KL term is not 0) and a critic on it whose head is not zero. The
+    learner's global random stream is left as it was."""
+    import copy
+
+    from rlcourse.lm import AdditionTask, load_checkpoint
+    from rlcourse.lm.reward_model import ScalarHeadModel
+
+    start, tokenizer = load_checkpoint("addition-partial", device="cpu")
+    start.eval()
+    ref = copy.deepcopy(start).requires_grad_(False)
+    policy = start
+    if move_seed is not None:
+        policy = copy.deepcopy(start)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(move_seed)
+            for p in policy.parameters():
+                p.add_(0.03 * torch.randn(p.shape, generator=gen))
+    with torch.random.fork_rng():
+        torch.manual_seed(critic_seed)
+        critic = ScalarHeadModel(policy, head_std=0.2).eval()
+    return AdditionTask(), start, tokenizer, ref, policy, critic
+
+
 def _reference_ppo_update(policy, critic, optimizer, batch, kl_coef, lam, cliprange, cliprange_value, vf_coef):
     from rlcourse.lm import sequence_logprobs
     from rlcourse.lm.ppo_rlhf import advantages_and_returns, kl_shaped_rewards, ppo_rlhf_loss
@@ -362,22 +389,11 @@ def check_ppo_update(fn) -> None:
     import copy
 
     from rlcourse.grading._steps import RecordingSGD, assert_call_gradient
-    from rlcourse.lm import AdditionTask, exact_match, load_checkpoint
+    from rlcourse.lm import exact_match
     from rlcourse.lm.reward_model import ScalarHeadModel
 
     name = "check_ppo_update"
-    task = AdditionTask()
-    start, tokenizer = load_checkpoint("addition-partial", device="cpu")
-    start.eval()
-    ref = copy.deepcopy(start).requires_grad_(False)
-    moved = copy.deepcopy(start)               # a policy that has left the reference: the KL term is not 0
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(7)
-        for p in moved.parameters():
-            p.add_(0.03 * torch.randn(p.shape, generator=gen))
-    with torch.random.fork_rng():                                 # the learner's random stream is left as it was
-        torch.manual_seed(8)
-        critic = ScalarHeadModel(moved, head_std=0.2).eval()      # values that are not 0
+    task, start, tokenizer, ref, moved, critic = _ppo_start(critic_seed=8, move_seed=7)
     for kl_coef, lam, clip, clip_v, vf_coef in PPO_SETTINGS:
         case = f"kl_coef={kl_coef}, lam={lam}, cliprange={clip}, cliprange_value={clip_v}, vf_coef={vf_coef}"
         batch = _ppo_rollout(moved, critic, ref, tokenizer, task, task.prompts(24, rng=70),
@@ -420,3 +436,72 @@ def check_ppo_update(fn) -> None:
              f"(from {before:.3f})", f"{after:.3f}", "the update is right on one batch but does not learn over many")
     print(f"✔ {name}: gradients equal the reference update's ({len(PPO_SETTINGS)} settings x 2 calls); "
           f"{s['iterations']} iterations raised held-out exact match {before:.3f} -> {after:.3f}")
+
+
+def _reference_ppo_losses(policy, value_model, mb, cliprange, cliprange_value):
+    from rlcourse.lm import sequence_logprobs
+    from rlcourse.lm.value_model import token_values
+    from rlcourse.losses.policy_gradient import ppo_clip_loss, value_loss
+
+    m = mb["completion_mask"]
+    logprobs = sequence_logprobs(policy, mb["prompt_ids"], mb["completion_ids"], m, mb["prompt_mask"])
+    values = token_values(value_model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], m)
+    return (ppo_clip_loss(logprobs, mb["logprobs"], mb["advantages"], m, clip_coef=cliprange),
+            value_loss(values, mb["returns"], mb["values"], clip_coef=cliprange_value, mask=m))
+
+
+@references("rlcourse.lm.ppo_rlhf:ppo_rlhf_loss", "rlcourse.losses.policy_gradient:ppo_clip_loss",
+            "rlcourse.losses.policy_gradient:value_loss")
+def check_ppo_losses(fn) -> None:
+    """``fn(policy, value_model, minibatch, cliprange, cliprange_value) -> (policy_loss, value_loss)``: the
+    fixed find-the-bug function. Both losses and their gradients (policy and critic) are compared with
+    the reference's on minibatches of ragged completions, after the models have moved from the rollout."""
+    __tracebackhide__ = True
+    import copy
+
+    from rlcourse.lm.ppo_rlhf import advantages_and_returns, kl_shaped_rewards
+
+    name = "check_ppo_losses"
+    task, start, tokenizer, ref, _, critic = _ppo_start(critic_seed=11)
+    n = 0
+    for i, (clip, clip_v) in enumerate([(0.2, 0.2), (0.1, 0.05)]):
+        batch = _ppo_rollout(start, critic, ref, tokenizer, task, task.prompts(24, rng=80 + i),
+                             torch.Generator().manual_seed(12 + i))
+        m = batch["completion_mask"]
+        rewards, _ = kl_shaped_rewards(batch["scores"], batch["logprobs"], batch["ref_logprobs"], m, 0.05)
+        batch["advantages"], batch["returns"] = advantages_and_returns(rewards, batch["values"], m, 1.0, 0.95)
+        padding = 1 - float(m.float().mean())
+        case = (f"24 completions of lengths {sorted(set(m.sum(1).tolist()))} ({padding:.0%} of the positions are "
+                f"padding), cliprange={clip}, cliprange_value={clip_v}")
+        models = []
+        for _ in range(2):                     # both sides start from the same moved weights: the clips act
+            policy, value_model = copy.deepcopy(start), copy.deepcopy(critic)
+            with torch.no_grad():
+                gen = torch.Generator().manual_seed(13 + i)
+                for p in [*policy.parameters(), *value_model.parameters()]:
+                    p.add_(0.02 * torch.randn(p.shape, generator=gen))
+            models.append((policy, value_model))
+        (p_mine, v_mine), (p_theirs, v_theirs) = models
+        got = fn(p_mine, v_mine, {k: v.clone() for k, v in batch.items()}, clip, clip_v)
+        expected = _reference_ppo_losses(p_theirs, v_theirs, batch, clip, clip_v)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            fail(name, case, "a pair (policy_loss, value_loss)", type(got).__name__, "return both losses")
+        for which, g, e, params_mine, params_theirs in (("policy loss", got[0], expected[0], p_mine, p_theirs),
+                                                         ("critic's loss", got[1], expected[1], v_mine, v_theirs)):
+            value = float(g.detach()) if isinstance(g, torch.Tensor) else g
+            target = float(e.detach())
+            if value is None or abs(value - target) > 1e-5 * max(1, abs(target)):
+                ratio = value / target if value is not None and target != 0 else float("nan")
+                fail(name, f"{case}: the {which}", f"{target:.6f}", value,
+                     f"the {which} is {ratio:.3g} times the reference's on this batch, where {padding:.0%} of the "
+                     f"positions are padding")
+            e.backward()
+            g.backward()
+            grads_mine = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                                    for p in params_mine.parameters()])
+            grads_theirs = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                                      for p in params_theirs.parameters()])
+            assert_close(name, f"{case}: the gradient of the {which}", grads_theirs, grads_mine, atol=1e-5, rtol=1e-4,
+                         hint="the value is right but not its gradient")
+            n += 1
+    passed(name, n)

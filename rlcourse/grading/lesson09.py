@@ -8,7 +8,9 @@
 * :func:`check_rloo_gradient_estimate` - an experiment: the learner's Monte-Carlo RLOO gradient on
   the exact oracle, measured over thousands of groups: unbiased, with RLOO's variance;
 * :func:`check_rloo_step` - a whole RLOO update on the tiny GPT from the learner's own functions,
-  checked by its gradient (against the reference step's) and by what 40 steps of it learn.
+  checked by its gradient (against the reference step's) and by what 40 steps of it learn;
+* :func:`check_rloo_kl_step` - find the bug: RLOO with the KL penalty in the reward, fixed; checked
+  the same two ways.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy, references
 
 __all__ = ["check_leave_one_out_advantages", "check_policy_gradient_loss", "check_rloo_gradient_estimate",
-           "check_rloo_step"]
+           "check_rloo_step", "check_rloo_kl_step"]
 
 
 def _call_unmutated(name, case, fn, *tensors, **kwargs):
@@ -65,6 +67,11 @@ def check_leave_one_out_advantages(fn) -> None:
         fail_if_mistake(name, case, expected, got,
                         (interleaved - (interleaved.sum(0, keepdim=True) - interleaved) / (K - 1)).reshape(-1),
                         "a group is K *consecutive* rewards: rewards.view(-1, K), one row per prompt")
+        if rewards.dtype == torch.float64:
+            g32 = rewards.float().view(-1, K)
+            fail_if_mistake(name, case, expected, got, (g32 - (g32.sum(1, keepdim=True) - g32) / (K - 1)).reshape(-1),
+                            "these rewards are float64, and float32 keeps only about 7 digits: near 1e6 that is "
+                            "steps of 1/16; keep the rewards' precision (convert integers only)")
         atol = 1e-3 if rewards.abs().max() > 1e3 else 1e-6
         assert_close(name, case, expected, got, hint="A_i = r_i - (sum_group - r_i) / (K - 1)", atol=atol)
     passed(name, len(cases))
@@ -212,3 +219,43 @@ def check_rloo_step(fn) -> None:
                         "another direction: each completion's baseline is the mean reward of the other completions "
                         "of its prompt; the advantage weighs the sum of the completion's token log-probs (with grad); "
                         "padding is left out")
+
+
+def _reference_rloo_kl_step(model, optimizer, tokenizer, task, prompts, generator, num_generations, ref_model, beta):
+    """RLOO with the KL penalty in the reward (TRL's ``RLOOTrainer``): ``r_i - beta sum_t (log pi - log pi_ref)``,
+    a number, then leave-one-out advantages and the REINFORCE loss. Returns ``(mean task reward,)``."""
+    from rlcourse.lm import sample, sequence_logprobs
+    from rlcourse.losses.grpo import leave_one_out_advantages
+    from rlcourse.losses.policy_gradient import reinforce_loss
+
+    group = [p for p in prompts for _ in range(num_generations)]
+    roll = sample(model, tokenizer, group, task.max_new_tokens, generator=generator)
+    mask = roll.completion_mask
+    logp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, mask, roll.prompt_mask)
+    with torch.no_grad():
+        ref_logp = sequence_logprobs(ref_model, roll.prompt_ids, roll.completion_ids, mask, roll.prompt_mask)
+    task_rewards = task.reward(group, roll.completions).float()
+    rewards = task_rewards - beta * (logp.detach() - ref_logp).sum(1)
+    loss = reinforce_loss(logp, leave_one_out_advantages(rewards, num_generations)[:, None], mask)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return (float(task_rewards.mean()),)
+
+
+def check_rloo_kl_step(fn) -> None:
+    """``fn(model, optimizer, tokenizer, task, prompts, generator, num_generations, ref_model, beta) -> mean
+    task reward``: the fixed find-the-bug step, RLOO with the KL penalty in the reward. Checked by the
+    gradient of two calls (against the reference step's) and by 40 steps that must learn."""
+    __tracebackhide__ = True
+    import copy
+
+    from rlcourse.grading._steps import check_sampling_step
+    from rlcourse.lm import load_checkpoint
+
+    ref = copy.deepcopy(load_checkpoint("addition-partial", device="cpu")[0]).eval().requires_grad_(False)
+    learning = {**RLOO_LEARNING, "extra": (ref, 0.05)}
+    check_sampling_step("check_rloo_kl_step", fn, _reference_rloo_kl_step, [("beta=0.1", (ref, 0.1)),
+                                                                          ("beta=0.5", (ref, 0.5))], learning,
+                        "the update is not the policy-gradient estimate of the KL-regularised reward: it has "
+                        "another direction than the reference step's")
