@@ -190,14 +190,15 @@ def rloo_kl_step_ok(model, optimizer, tokenizer, task, prompts, generator, K, re
     g = rewards.view(-1, K)
     adv = (g - (g.sum(1, keepdim=True) - g) / (K - 1)).reshape(-1)
     loss = -(adv * logp.sum(1)).mean()
-    optimizer.zero_grad()
+    if mistake != "no zero_grad":
+        optimizer.zero_grad()
     loss.backward()
     optimizer.step()
     return float(task_rewards.mean())
 
 
 RLOO_KL_MISTAKES = ["penalty with its graph", "the policy as reference", "mean over tokens", "penalty added",
-                    "no penalty"]
+                    "no penalty", "no zero_grad"]
 
 
 def test_rloo_kl_step_check(capsys):

@@ -250,6 +250,8 @@ def completion_logprobs_ok(model, prompt_ids, prompt_mask, completion_ids, compl
     window = logits[:, P:] if mistake == "the shipped off-by-one" else logits[:, P - 1:-1]
     if mistake == "probabilities":
         scores = torch.softmax(window, -1)
+    elif mistake == "log-softmax over the positions":
+        scores = torch.log_softmax(window, 1)
     else:
         scores = torch.log_softmax(window, -1)
     if mistake == "log-softmax summed over the vocabulary":
@@ -262,7 +264,7 @@ def completion_logprobs_ok(model, prompt_ids, prompt_mask, completion_ids, compl
 
 
 COMPLETION_MISTAKES = ["the shipped off-by-one", "default positions", "probabilities",
-                       "log-softmax summed over the vocabulary", "padding kept"]
+                       "log-softmax summed over the vocabulary", "padding kept", "log-softmax over the positions"]
 
 
 def test_completion_logprobs_check(capsys):
