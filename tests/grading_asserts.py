@@ -42,3 +42,25 @@ def grading_tests(right, wrong):
         assert_fails(check, answer, hint)
 
     return test_right_answers_pass, test_wrong_answers_fail_with_a_hint
+
+
+def mistake_tests(check, right, mistakes, printed: str):
+    """The two tests of a check whose wrong answers are one right answer with a slip switched on.
+
+    ``right(*args, mistake=None)`` answers correctly and, given ``mistake=name``, makes that slip;
+    ``mistakes`` lists the names. The check must pass ``right`` (printing a line that contains
+    ``printed``) and refuse every slip with a ``CheckFailed``. Use as
+    ``test_x_check, test_x_check_catches = mistake_tests(check_x, x_ok, X_MISTAKES, "passed")``.
+    """
+    import functools
+
+    def test_passes(capsys):
+        check(right)
+        assert printed in capsys.readouterr().out
+
+    @pytest.mark.parametrize("mistake", mistakes)
+    def test_catches(mistake):
+        with pytest.raises(CheckFailed):
+            check(functools.partial(right, mistake=mistake))
+
+    return test_passes, test_catches

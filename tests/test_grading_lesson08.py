@@ -14,6 +14,7 @@ from rlcourse.lm.ppo_rlhf import kl_shaped_rewards
 from rlcourse.lm.reward_model import score_at_last_token
 from rlcourse.losses import bradley_terry_loss
 from rlcourse.returns import gae
+from grading_asserts import mistake_tests
 
 
 def _fails(check, fn, *args, match=None):
@@ -216,15 +217,8 @@ PPO_UPDATE_MISTAKES = ["returns from whitened advantages", "no whitening", "rati
                        "min of the losses", "no value clip", "means over padding", "vf_coef left out", "no zero_grad"]
 
 
-def test_ppo_update_check(capsys):
-    check_ppo_update(ppo_update_ok)
-    assert "raised held-out exact match" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("mistake", PPO_UPDATE_MISTAKES)
-def test_ppo_update_check_catches(mistake):
-    with pytest.raises(CheckFailed):
-        check_ppo_update(lambda *a: ppo_update_ok(*a, mistake=mistake))
+test_ppo_update_check, test_ppo_update_check_catches = mistake_tests(
+    check_ppo_update, ppo_update_ok, PPO_UPDATE_MISTAKES, "raised held-out exact match")
 
 
 # ------------------------------------------------------------------ find the bug: the PPO losses
@@ -262,15 +256,8 @@ PPO_LOSSES_MISTAKES = ["critic over padding", "policy over padding", "no value c
                        "halves left out", "detached critic"]
 
 
-def test_ppo_losses_check(capsys):
-    check_ppo_losses(ppo_losses_ok)
-    assert "passed" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("mistake", PPO_LOSSES_MISTAKES)
-def test_ppo_losses_check_catches(mistake):
-    with pytest.raises(CheckFailed):
-        check_ppo_losses(lambda *a: ppo_losses_ok(*a, mistake=mistake))
+test_ppo_losses_check, test_ppo_losses_check_catches = mistake_tests(
+    check_ppo_losses, ppo_losses_ok, PPO_LOSSES_MISTAKES, "passed")
 
 
 def test_the_shipped_critic_bug_is_told_by_its_symptom():

@@ -8,6 +8,7 @@ from rlcourse.grading import CheckFailed
 from rlcourse.grading.lesson09 import (check_leave_one_out_advantages, check_policy_gradient_loss,
                                        check_rloo_gradient_estimate, check_rloo_kl_step, check_rloo_step)
 from rlcourse.lm import sample, sequence_logprobs
+from grading_asserts import mistake_tests
 
 
 def loo_ok(rewards, K):
@@ -161,15 +162,8 @@ RLOO_STEP_MISTAKES = ["prompts tiled", "baseline includes the sample", "no basel
                       "no zero_grad"]
 
 
-def test_rloo_step_check(capsys):
-    check_rloo_step(rloo_step_ok)
-    assert "raised held-out exact match" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("mistake", RLOO_STEP_MISTAKES)
-def test_rloo_step_check_catches(mistake):
-    with pytest.raises(CheckFailed):
-        check_rloo_step(lambda *a: rloo_step_ok(*a, mistake=mistake))
+test_rloo_step_check, test_rloo_step_check_catches = mistake_tests(
+    check_rloo_step, rloo_step_ok, RLOO_STEP_MISTAKES, "raised held-out exact match")
 
 
 # ------------------------------------------------------------------ find the bug: the KL in the reward
@@ -201,15 +195,8 @@ RLOO_KL_MISTAKES = ["penalty with its graph", "the policy as reference", "mean o
                     "no penalty", "no zero_grad"]
 
 
-def test_rloo_kl_step_check(capsys):
-    check_rloo_kl_step(rloo_kl_step_ok)
-    assert "raised held-out exact match" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("mistake", RLOO_KL_MISTAKES)
-def test_rloo_kl_step_check_catches(mistake):
-    with pytest.raises(CheckFailed):
-        check_rloo_kl_step(lambda *a: rloo_kl_step_ok(*a, mistake=mistake))
+test_rloo_kl_step_check, test_rloo_kl_step_check_catches = mistake_tests(
+    check_rloo_kl_step, rloo_kl_step_ok, RLOO_KL_MISTAKES, "raised held-out exact match")
 
 
 def loo_in_float32(rewards, K):                # .float() on everything: float64 rewards lose their digits

@@ -4,10 +4,7 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 import torch.nn.functional as F
 
-import pytest
-
-from grading_asserts import grading_tests
-from rlcourse.grading import CheckFailed
+from grading_asserts import grading_tests, mistake_tests
 from rlcourse.grading.lesson11 import (check_completion_logprobs, check_dpo_loss, check_dpo_step, check_fit_dpo_policy,
                                        check_implicit_reward, check_ipo_loss)
 from rlcourse.lm import sequence_logprobs
@@ -229,15 +226,8 @@ DPO_STEP_MISTAKES = ["token mean", "swapped", "policy as reference", "no referen
                      "sum over pairs", "no zero_grad"]
 
 
-def test_dpo_step_check(capsys):
-    check_dpo_step(dpo_step_ok)
-    assert "held-out pairs" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("mistake", DPO_STEP_MISTAKES)
-def test_dpo_step_check_catches(mistake):
-    with pytest.raises(CheckFailed):
-        check_dpo_step(lambda *a: dpo_step_ok(*a, mistake=mistake))
+test_dpo_step_check, test_dpo_step_check_catches = mistake_tests(
+    check_dpo_step, dpo_step_ok, DPO_STEP_MISTAKES, "held-out pairs")
 
 
 # ------------------------------------------------------------------ find the bug: completion log-probs
@@ -267,12 +257,5 @@ COMPLETION_MISTAKES = ["the shipped off-by-one", "default positions", "probabili
                        "log-softmax summed over the vocabulary", "padding kept", "log-softmax over the positions"]
 
 
-def test_completion_logprobs_check(capsys):
-    check_completion_logprobs(completion_logprobs_ok)
-    assert "passed" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("mistake", COMPLETION_MISTAKES)
-def test_completion_logprobs_check_catches(mistake):
-    with pytest.raises(CheckFailed):
-        check_completion_logprobs(lambda *a: completion_logprobs_ok(*a, mistake=mistake))
+test_completion_logprobs_check, test_completion_logprobs_check_catches = mistake_tests(
+    check_completion_logprobs, completion_logprobs_ok, COMPLETION_MISTAKES, "passed")
