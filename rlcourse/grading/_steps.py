@@ -13,8 +13,17 @@ import torch
 
 from rlcourse.grading._core import fail
 
-__all__ = ["RecordingSGD", "twin_runs", "assert_same_gradient", "assert_call_gradient", "relative_gap",
+__all__ = ["addition_start", "RecordingSGD", "twin_runs", "assert_same_gradient", "assert_call_gradient", "relative_gap",
            "check_sampling_step"]
+
+
+def addition_start():
+    """``(task, model, tokenizer)``: the addition task and the ``addition-partial`` checkpoint in eval mode,
+    which the step checks train."""
+    from rlcourse.lm import AdditionTask, load_checkpoint
+
+    start, tokenizer = load_checkpoint("addition-partial", device="cpu")
+    return AdditionTask(), start.eval(), tokenizer
 
 
 class RecordingSGD(torch.optim.Optimizer):
@@ -128,11 +137,9 @@ def check_sampling_step(name: str, fn, reference, settings: list, learning: dict
 
     import numpy as np
 
-    from rlcourse.lm import AdditionTask, exact_match, load_checkpoint
+    from rlcourse.lm import exact_match
 
-    task = AdditionTask()
-    start, tokenizer = load_checkpoint("addition-partial", device="cpu")
-    start.eval()
+    task, start, tokenizer = addition_start()
     K = 4
     for case, extra in settings:
         mine, theirs, opt_mine, opt_theirs = twin_runs(start, lr=0.05)

@@ -335,11 +335,10 @@ def _ppo_start(critic_seed: int, move_seed: int | None = None):
     learner's global random stream is left as it was."""
     import copy
 
-    from rlcourse.lm import AdditionTask, load_checkpoint
+    from rlcourse.grading._steps import addition_start
     from rlcourse.lm.reward_model import ScalarHeadModel
 
-    start, tokenizer = load_checkpoint("addition-partial", device="cpu")
-    start.eval()
+    task, start, tokenizer = addition_start()
     ref = copy.deepcopy(start).requires_grad_(False)
     policy = start
     if move_seed is not None:
@@ -351,7 +350,7 @@ def _ppo_start(critic_seed: int, move_seed: int | None = None):
     with torch.random.fork_rng():
         torch.manual_seed(critic_seed)
         critic = ScalarHeadModel(policy, head_std=0.2).eval()
-    return AdditionTask(), start, tokenizer, ref, policy, critic
+    return task, start, tokenizer, ref, policy, critic
 
 
 def _reference_ppo_update(policy, critic, optimizer, batch, kl_coef, lam, cliprange, cliprange_value, vf_coef):

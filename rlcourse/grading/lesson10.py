@@ -332,14 +332,6 @@ def _reference_update(model, optimizer, tokenizer, task, prompts, generator, num
     return float(rewards.mean()), outside
 
 
-def _addition_start():
-    """The task, the ``addition-partial`` checkpoint (eval mode) and its tokenizer: what the step checks train."""
-    from rlcourse.lm import AdditionTask, load_checkpoint
-
-    start, tokenizer = load_checkpoint("addition-partial", device="cpu")
-    return AdditionTask(), start.eval(), tokenizer
-
-
 STEP_SETTINGS = [("dapo", 0.2, None), ("grpo", 0.2, 0.28), ("dr_grpo", 0.2, None)]
 STEP_LEARNING = {"steps": 40, "lr": 1e-4, "groups": 8, "num_generations": 8, "extra": ("dapo", 0.2, None),
                  "held_out": 300, "margin": 0.05}
@@ -369,10 +361,10 @@ def check_grpo_update(fn) -> None:
     Measured: before any update every ratio is 1 (no token outside the clip range at the first step),
     and the gradient of every step equals the reference update's on the same samples."""
     __tracebackhide__ = True
-    from rlcourse.grading._steps import assert_same_gradient, twin_runs
+    from rlcourse.grading._steps import addition_start, assert_same_gradient, twin_runs
 
     name = "check_grpo_update"
-    task, start, tokenizer = _addition_start()
+    task, start, tokenizer = addition_start()
     n = 0
     for temperature, iterations in BUG_SETTINGS:
         case = f"temperature {temperature}, num_iterations {iterations}, 6 prompts x 8 completions"
