@@ -11,6 +11,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from rlcourse.tools.execute import KERNELSPEC
 from rlcourse.tools.make_exercises import ROOT, expected_exercises, lesson_notebooks
 
 COURSE = lesson_notebooks(ROOT / "course")
@@ -56,6 +57,13 @@ def test_committed_notebooks_are_executed_without_errors_or_stderr(path):
             assert out.output_type != "error", f"{path.name}: a cell raised {out.get('ename')}"
             if out.output_type == "stream":
                 assert out.name != "stderr", f"{path.name}: text on stderr: {out.text[:300]!r}"
+
+
+@pytest.mark.parametrize("path", COURSE + SOLUTIONS + EXERCISES, ids=ids(COURSE + SOLUTIONS + EXERCISES))
+def test_notebooks_carry_the_kernelspec_make_env_installs(path):
+    # Any other kernelspec is rewritten by JupyterLab on opening, and the notebook shows as modified.
+    assert nbformat.read(path, as_version=4).metadata.get("kernelspec") == KERNELSPEC, \
+        f"{path.name}: kernelspec is not {KERNELSPEC}: run `python -m rlcourse.tools.execute {path.relative_to(ROOT)}`"
 
 
 @pytest.mark.parametrize("path", COURSE[1:], ids=ids(COURSE[1:]))

@@ -11,7 +11,7 @@ import torch
 
 from rlcourse.lm import PreferenceTask, load_checkpoint
 from rlcourse.lm.preference import LETTERS
-from rlcourse.lm.preference_oracle import bayes_accuracy, gold_score_distribution
+from rlcourse.lm.bayes_limit import bayes_accuracy, gold_score_distribution
 from rlcourse.lm.reward_model import (ScalarHeadModel, encode_completions, last_real_index,
                                       score_at_last_token, score_completions, train_reward_model)
 from rlcourse.lm.sampling import encode_prompts

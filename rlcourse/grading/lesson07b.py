@@ -46,7 +46,7 @@ def kept_float64(name: str, case: str, got, *inputs) -> None:
 # Borderline convention accepted: logits are finite. A -inf logit (a vocabulary masked by top-k)
 # gives p(v) = 0 exactly and log p(v) = -inf; the lesson's formula p * (log p - log q) is nan there
 # and the reference (which zeroes such terms) is not, so no case holds -inf logits.
-@references("rlcourse.kl:exact_kl", "rlcourse.preference_oracle:CategoricalBandit.kl")
+@references("rlcourse.kl:exact_kl", "rlcourse.categorical_bandit:CategoricalBandit.kl")
 def check_exact_kl(fn) -> None:
     """``fn(logits_p, logits_q) -> (...)``: ``KL(p || q) = sum_v p(v) (log p(v) - log q(v))`` over the
     last dimension, with ``p = softmax(logits_p)`` and ``q = softmax(logits_q)``, differentiable.

@@ -97,7 +97,7 @@ def check_dpo_loss(fn) -> None:
     passed(name, len(cases))
 
 
-@references("rlcourse.losses.dpo:dpo_implicit_reward", "rlcourse.preference_oracle:CategoricalBandit.implicit_reward")
+@references("rlcourse.losses.dpo:dpo_implicit_reward", "rlcourse.categorical_bandit:CategoricalBandit.implicit_reward")
 def check_implicit_reward(fn) -> None:
     """``fn(policy_logps, ref_logps, beta) -> tensor``: ``beta * (log pi(y|x) - log pi_ref(y|x))``."""
     __tracebackhide__ = True
@@ -154,7 +154,7 @@ def check_ipo_loss(fn) -> None:
     passed(name, len(cases))
 
 
-@references("rlcourse.preference_oracle:train_tabular_policy", "rlcourse.preference_oracle:CategoricalBandit.optimal_logprobs",
+@references("rlcourse.categorical_bandit:train_tabular_policy", "rlcourse.categorical_bandit:CategoricalBandit.optimal_logprobs",
             *_DPO_LIBRARY)
 def check_fit_dpo_policy(fn) -> None:
     """``fn(bandit, pairs, beta) -> (P, K)`` log-probs of a tabular policy fitted by DPO.
@@ -164,7 +164,7 @@ def check_fit_dpo_policy(fn) -> None:
     reference solution reaches about 0.001).
     """
     __tracebackhide__ = True
-    from rlcourse.preference_oracle import CategoricalBandit
+    from rlcourse.categorical_bandit import CategoricalBandit
 
     name = "check_fit_dpo_policy"
     cases = [(CategoricalBandit.random(n_prompts=3, n_answers=4, reward_scale=1.5, seed=11), 0.5, 5),
