@@ -212,7 +212,7 @@ def discount_weights(mask, gamma: float, dones=None):
     return restore(torch.where(m, torch.pow(float(gamma), steps), 0.0))
 
 
-def whiten(values, mask=None, shift_mean: bool = True, eps: float = 1e-8):
+def whiten(values, mask=None, shift_mean: bool = True, eps: float = 1e-8, unbiased: bool = False):
     """Standardise values over the real entries: ``(x - mean) / (std + eps)``.
 
     Mean and (population, ``ddof=0``) standard deviation are taken over the entries where
@@ -221,6 +221,12 @@ def whiten(values, mask=None, shift_mean: bool = True, eps: float = 1e-8):
     When the spread is no more than ``eps`` (all values equal, up to float leftovers) there is no
     scale to remove and nothing is rescaled: equal values whiten to exactly 0, and with
     ``shift_mean=False`` they come back unchanged (never divided by ``eps``).
+
+    ``unbiased=True`` takes the std with Bessel's correction, ``sqrt(sum (x - mean)^2 / (n - 1))``,
+    as verl's ``masked_whiten`` does (``masked_var(unbiased=True)``; it also puts its ``1e-8`` inside
+    the square root): every whitened value shrinks by ``sqrt((n - 1) / n)``. The default
+    (population std, divisor ``n``) is OpenRLHF's (``compute_advantages_and_returns``); with
+    ``unbiased=True`` at least two entries must be real.
 
     Whitening is a per-batch baseline and step size in one: it changes the gradient's scale, not
     (to first order) its direction, and keeps the step size independent of the reward's units.
@@ -236,8 +242,10 @@ def whiten(values, mask=None, shift_mean: bool = True, eps: float = 1e-8):
     # each of them, so they centre to exactly 0 (a float32 sum left 0.749 for sixteen 0.3s).
     x64 = torch.where(m, x.to(torch.float32 if x.device.type == "mps" else torch.float64), 0.0)
     count = m.sum()
+    if unbiased and count < 2:
+        raise ValueError("unbiased=True (Bessel's correction) needs at least two real entries")
     mean = x64.sum() / count
-    std = ((torch.where(m, x64 - mean, 0.0) ** 2).sum() / count).sqrt()
+    std = ((torch.where(m, x64 - mean, 0.0) ** 2).sum() / (count - 1 if unbiased else count)).sqrt()
     scale = std + eps if std > eps else torch.ones_like(std)
     out = (x64 - mean) / scale if shift_mean else x64 / scale
     return restore(torch.where(m, out, 0.0).to(x.dtype))

@@ -6,7 +6,8 @@ RLOO with ``beta > 0`` (TRL puts the k1 KL in the reward) goes through our train
 
 One trainer per module (building one takes about a second); each case sets the trainer's
 attributes that TRL's ``_compute_loss`` reads (``loss_type``, ``importance_sampling_level``,
-``beta``, ``epsilon_low``/``epsilon_high``), then compares.
+``beta``, ``epsilon_low``/``epsilon_high``), then compares. The batch, the trainers' set-up and both
+sides of the GRPO comparison are :mod:`rlcourse.lm.trl_parity`, which lesson 13 runs too.
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.lm import load_checkpoint, save_checkpoint, sequence_logprobs
-from rlcourse.losses import (GRPO_LOSS_TYPES as LOSS_TYPES, aggregate_loss, group_advantages, leave_one_out_advantages,
-                             per_token_loss, rloo_loss)
+from rlcourse.lm.trl_parity import (build_trl_trainer, fixed_completion_batch, flat_grad as _grads,
+                                    rlcourse_grpo_loss, set_trl_grpo_loss, trl_grpo_loss)
+from rlcourse.losses import GRPO_LOSS_TYPES as LOSS_TYPES, group_advantages, leave_one_out_advantages, rloo_loss
 
 import trl  # noqa: E402  (a dependency of the project: these tests never skip)
 from datasets import Dataset  # noqa: E402
@@ -42,58 +44,14 @@ def setup(tmp_path_factory):
     save_checkpoint(model, tokenizer, path)
     rows = [p for p in PROMPTS for _ in range(K)]
     dataset = Dataset.from_dict({"prompt": rows, "reward": REWARDS.tolist()})
-    common = dict(output_dir=str(path / "out"), use_cpu=True, bf16=False, report_to=[], disable_tqdm=True,
-                  per_device_train_batch_size=len(rows), num_generations=K, max_completion_length=MAX_LEN,
-                  beta=0.04)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        grpo = trl.GRPOTrainer(model=str(path), reward_funcs=_reward_column, train_dataset=dataset,
-                               processing_class=tokenizer, args=trl.GRPOConfig(**common))
-        rloo = trl.RLOOTrainer(model=str(path), reward_funcs=_reward_column, train_dataset=dataset,
-                               processing_class=tokenizer, args=trl.RLOOConfig(**common))
-    for trainer in (grpo, rloo):
-        trainer.current_gradient_accumulation_steps = 1
-        # float64: our forward (rlcourse.lm.fast_gpt2) and transformers' round differently in float32
-        # (~1e-6 relative); in float64 any difference left is in the formulas, not the rounding.
-        trainer.model.double().train()
-
+    # float64: our forward (rlcourse.lm.fast_gpt2) and transformers' round differently in float32
+    # (~1e-6 relative); in float64 any difference left is in the formulas, not the rounding.
+    grpo, rloo = (build_trl_trainer(trainer, config, path, tokenizer, dataset, _reward_column, path / "out",
+                                    num_generations=K, max_completion_length=MAX_LEN, beta=0.04)
+                  for trainer, config in ((trl.GRPOTrainer, trl.GRPOConfig), (trl.RLOOTrainer, trl.RLOOConfig)))
     # Fixed completions of varied lengths (1..MAX_LEN tokens, some ending in <eos>, some cut).
-    gen = torch.Generator().manual_seed(0)
-    enc = tokenizer(rows, return_tensors="pt")
-    prompt_ids, prompt_mask = enc["input_ids"], enc["attention_mask"]
-    B = len(rows)
-    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
-    completion_ids = torch.tensor(digits)[torch.randint(0, 10, (B, MAX_LEN), generator=gen)]
-    lengths = torch.tensor([1, 2, 3, 4, 5, 3, 2, 5, 4, 1, 5, 2, 3, 4, 5, 2])
-    positions = torch.arange(MAX_LEN)[None]
-    completion_mask = (positions < lengths[:, None]).long()
-    ended = lengths < MAX_LEN
-    completion_ids[torch.arange(B)[ended], lengths[ended] - 1] = tokenizer.eos_token_id
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
-    # Old and reference log-probs: the current ones plus fixed noise, so ratios leave [0.8, 1.2].
-    with torch.no_grad():
-        current = sequence_logprobs(grpo.model, prompt_ids, completion_ids, completion_mask, prompt_mask)
-    old = (current + 0.3 * torch.randn(current.shape, generator=gen, dtype=current.dtype)) * completion_mask
-    ref = (current + 0.2 * torch.randn(current.shape, generator=gen, dtype=current.dtype)) * completion_mask
-    advantages = torch.randn(B, generator=gen, dtype=current.dtype)
-    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                 completion_mask=completion_mask, advantages=advantages, old=old, ref=ref)
+    batch = fixed_completion_batch(grpo.model, tokenizer, rows, MAX_LEN, seed=0)
     return dict(grpo=grpo, rloo=rloo, batch=batch, tokenizer=tokenizer, rows=rows)
-
-
-def _grads(model):
-    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-
-
-def _trl_grpo_loss(trainer, b):
-    inputs = {k: b[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")}
-    inputs["old_per_token_logps"] = b["old"]
-    inputs["ref_per_token_logps"] = b["ref"]
-    inputs["num_items_in_batch"] = b["completion_mask"].sum()
-    trainer.model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(trainer.model, inputs)
-    loss.backward()
-    return loss.detach(), _grads(trainer.model)
 
 
 CASES = [(t, lvl, 0.0, True) for t, lvl in itertools.product(LOSS_TYPES, ("token", "sequence"))]
@@ -104,22 +62,13 @@ CASES += [(t, lvl, 0.04, corr) for t, lvl, corr in itertools.product(("grpo", "d
 @pytest.mark.parametrize("loss_type,level,beta,bias_correction", CASES)
 def test_grpo_loss_and_gradient_match_trl(setup, loss_type, level, beta, bias_correction):
     trainer, b = setup["grpo"], setup["batch"]
-    trainer.args.use_bias_correction_kl = bias_correction
-    epsilon_high = 5.0 if loss_type == "cispo" else 0.28
-    trainer.loss_type, trainer.importance_sampling_level, trainer.beta = loss_type, level, beta
-    trainer.epsilon_low, trainer.epsilon_high = 0.2, epsilon_high
-    expected_loss, expected_grad = _trl_grpo_loss(trainer, b)
-
-    model = trainer.model
-    model.zero_grad(set_to_none=True)
-    logprobs = sequence_logprobs(model, b["prompt_ids"], b["completion_ids"], b["completion_mask"], b["prompt_mask"])
-    per_token = per_token_loss(logprobs, b["old"], b["advantages"], b["completion_mask"], loss_type=loss_type,
-                               epsilon=0.2, epsilon_high=epsilon_high, importance_sampling_level=level,
-                               beta=beta, ref_logprobs=b["ref"], use_bias_correction_kl=bias_correction)
-    loss = aggregate_loss(per_token, b["completion_mask"], loss_type, max_completion_length=MAX_LEN)
-    loss.backward()
+    settings = dict(importance_sampling_level=level, beta=beta, epsilon=0.2,
+                    epsilon_high=5.0 if loss_type == "cispo" else 0.28, use_bias_correction_kl=bias_correction)
+    set_trl_grpo_loss(trainer, loss_type, **settings)
+    expected_loss, expected_grad = trl_grpo_loss(trainer, b)
+    loss, grad = rlcourse_grpo_loss(trainer.model, b, loss_type, **settings)
     assert torch.allclose(loss.detach(), expected_loss, atol=1e-6, rtol=0), (loss.item(), expected_loss.item())
-    assert torch.allclose(_grads(model), expected_grad, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(grad, expected_grad, atol=1e-6, rtol=1e-5)
     assert expected_grad.abs().max() > 1e-4          # a real gradient, not two zeros
 
 

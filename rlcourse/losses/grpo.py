@@ -66,7 +66,8 @@ def _groups(rewards: torch.Tensor, num_generations: int, minimum: int = 1) -> to
 
 
 def group_advantages(rewards, num_generations: int, scale_rewards: str = "group",
-                     std_floor: float = 1e-4) -> torch.Tensor:
+                     std_floor: float = 1e-4, zero_equal_groups: bool = True,
+                     singleton: str = "zero") -> torch.Tensor:
     """GRPO's group-normalised advantage (Shao et al., 2024, arXiv 2402.03300), shape ``(B,)``.
 
     ``A_i = (r_i - mean_g(r)) / (std + std_floor)``
@@ -83,16 +84,39 @@ def group_advantages(rewards, num_generations: int, scale_rewards: str = "group"
     rewards are *exactly* equal gets exactly 0 here, whatever the dtype: where TRL's mean leaves a
     rounding residue (``(r - mean) / 1e-4`` of order 1e-4), ours does not. With rewards like 0/1
     the two agree bit for bit.
+
+    Two conventions of other engines, for comparison (lesson 13 measures both):
+
+    * ``zero_equal_groups=False`` drops that exact zero and computes ``(r - mean) / (std + std_floor)``
+      as written, in the rewards' dtype. A float32 group of eight rewards 0.3 then has
+      ``r - mean = 3e-8`` and ``std = 3.2e-8``: OpenRLHF's ``group_norm`` (``std_floor = 1e-9``)
+      gives each completion an advantage of about 0.9, verl's ``1e-6`` about 0.03, TRL's ``1e-4``
+      about 3e-4;
+    * ``singleton`` decides a group of one completion (``num_generations = 1``), which has nothing
+      to be compared with: ``"zero"`` (the default) gives it advantage 0; ``"reward"`` is verl's
+      rule (``compute_grpo_outcome_advantage``: mean 0 and std 1 for a group of one), so
+      ``A = r / (1 + std_floor)``, the raw reward as advantage (``A = r`` with ``scale_rewards="none"``).
     """
     if scale_rewards not in ("group", "batch", "none"):
         raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
     if std_floor < 0:
         raise ValueError(f"std_floor must be >= 0, got {std_floor!r}")
+    if singleton not in ("zero", "reward"):
+        raise ValueError(f"singleton must be 'zero' or 'reward', got {singleton!r}")
     rewards = _rewards_1d(rewards)
     grouped = _groups(rewards, num_generations)
+    if num_generations == 1 and singleton == "reward":
+        centred = grouped                                    # verl: a group of one has mean 0 ...
+        std = torch.ones_like(grouped)                       # ... and std 1
+        if scale_rewards == "none":
+            return centred.reshape(-1)
+        if scale_rewards == "batch":
+            std = rewards.std() if rewards.numel() > 1 else torch.zeros(())
+        return (centred / (std + std_floor)).reshape(-1)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
-    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
-    centred = torch.where(all_equal, torch.zeros_like(centred), centred)
+    if zero_equal_groups:
+        all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+        centred = torch.where(all_equal, torch.zeros_like(centred), centred)
     if scale_rewards == "group":
         std = grouped.std(dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(centred)
     elif scale_rewards == "batch":
@@ -195,7 +219,8 @@ def per_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
                    epsilon_high: float | None = None, importance_sampling_level: str = "token",
                    beta: float = 0.0, ref_logprobs: torch.Tensor | None = None,
                    sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
-                   use_bias_correction_kl: bool = True) -> torch.Tensor:
+                   use_bias_correction_kl: bool = True, dual_clip: float | None = None,
+                   cispo_clip: str = "upper", kl_bound: float | None = None) -> torch.Tensor:
     """The loss of every token before aggregation, ``(B, T)`` (or ``(B, 1)`` at sequence level with
     ``beta = 0``); 0 on masked tokens. ``advantages`` is ``(B,)``, one per completion. ``w`` is
     the ratio of :func:`importance_weights` and ``A`` the advantage (detached):
@@ -219,6 +244,16 @@ def per_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     gradient gains ``k3 * grad log pi``, the score-function term that the plain k3 lacks. Without it,
     ``E[grad k3] = -sum_y pi_ref(y) grad log pi(y)``, the gradient of ``KL(pi_ref || pi)``, not of
     ``KL(pi || pi_ref)``: lesson 10 measures this on the exact oracle.
+
+    Three conventions of other engines; the defaults are TRL 1.16's (lesson 13 measures each):
+
+    * ``dual_clip = c`` (clipped-surrogate types only) caps the loss of a token with ``A < 0`` at
+      ``c |A|`` (:func:`ppo_clip_objective`); verl applies ``c = 3`` by default;
+    * ``cispo_clip``: ``"upper"`` weighs by ``stopgrad(min(w, epsilon_high))`` (TRL: an absolute cap,
+      no lower bound); ``"two_sided"`` by ``stopgrad(clip(w, 1 - epsilon, 1 + epsilon_high))``
+      (verl's ``compute_policy_loss_cispo``: relative bounds, both sides);
+    * ``kl_bound = b`` clamps each token's k3 estimate to ``[-b, b]`` (:func:`rlcourse.kl.kl_k3`; verl
+      and OpenRLHF use 10): a token past ``b`` nats adds ``beta * b`` and no gradient.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -231,6 +266,10 @@ def per_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
                          f"sigmoid(tau (w - 1)) * 4 / tau), got {sapo_temperature_pos!r}, {sapo_temperature_neg!r}")
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs of logprobs' shape")
+    if cispo_clip not in ("upper", "two_sided"):
+        raise ValueError(f"cispo_clip must be 'upper' (TRL) or 'two_sided' (verl), got {cispo_clip!r}")
+    if dual_clip is not None and loss_type in ("cispo", "sapo"):
+        raise ValueError(f"dual_clip bounds PPO's clipped surrogate; loss_type={loss_type!r} has none")
     high = epsilon if epsilon_high is None else epsilon_high
     mask, logprobs, old_logprobs, ref_logprobs = _token_inputs(logprobs, old_logprobs, mask,
                                                                ref_logprobs if beta != 0.0 else None)
@@ -240,15 +279,16 @@ def per_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
         raise ValueError(f"advantages must have shape (B,) = ({logprobs.shape[0]},), got {tuple(advantages.shape)}")
     adv = advantages[:, None].expand_as(ratio)
     if loss_type == "cispo":
-        loss = -torch.clamp(ratio, max=high).detach() * adv * logprobs
+        weight = torch.clamp(ratio, max=high) if cispo_clip == "upper" else torch.clamp(ratio, 1.0 - epsilon, 1.0 + high)
+        loss = -weight.detach() * adv * logprobs
     elif loss_type == "sapo":
         tau = torch.where(adv > 0, torch.full_like(adv, sapo_temperature_pos),
                           torch.full_like(adv, sapo_temperature_neg))
         loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
     else:
-        loss = -ppo_clip_objective(ratio, adv, epsilon, high)
+        loss = -ppo_clip_objective(ratio, adv, epsilon, high, dual_clip)
     if beta != 0.0:
-        kl = kl_k3(logprobs, ref_logprobs.detach(), mask)
+        kl = kl_k3(logprobs, ref_logprobs.detach(), mask, bound=kl_bound)
         loss = loss + beta * (kl * ratio if use_bias_correction_kl else kl)
     if loss.shape[1] == logprobs.shape[1]:
         loss = torch.where(mask, loss, torch.zeros_like(loss))
@@ -256,7 +296,8 @@ def per_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
 
 
 def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str = "dapo",
-                   max_completion_length: int | None = None) -> torch.Tensor:
+                   max_completion_length: int | None = None, drop_empty: bool = False,
+                   divide_by_batch: bool = True) -> torch.Tensor:
     """One scalar from the per-token losses: the normalisation that defines each variant.
 
     With ``m`` the mask, ``|y_i| = sum_t m_it`` and ``l_it`` the per-token loss:
@@ -273,6 +314,16 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str =
 
     A ``(B, 1)`` input (sequence-level ratio, no KL) is one loss per completion, broadcast over its
     tokens. Rows with no real token contribute 0 (as in TRL, which clamps lengths at 1).
+
+    Two conventions of other engines (defaults: TRL 1.16's):
+
+    * ``drop_empty=True`` (``grpo``, ``sapo``): an empty completion is left out of the mean over
+      completions, ``sum_i (1/|y_i|) sum_t m_it l_it / #{i : |y_i| > 0}``, as verl's
+      ``seq-mean-token-mean`` and OpenRLHF's ``aggregate_loss(token_level_loss=False)`` do; TRL
+      (and the default) counts it in ``B`` with loss 0, so the other completions weigh less;
+    * ``divide_by_batch=False`` (``dr_grpo``): ``sum_it m_it l_it / max_completion_length``, verl's
+      ``seq-mean-token-sum-norm`` per micro-batch: no ``1/B``, so the loss and its gradient grow
+      with the (micro-)batch size.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -284,11 +335,14 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str =
     m = mask.to(per_token.dtype)
     masked = torch.where(mask, per_token.expand_as(m), torch.zeros_like(m))
     if loss_type in ("grpo", "sapo"):
-        return (masked.sum(dim=1) / m.sum(dim=1).clamp(min=1.0)).mean()
+        per_sequence = masked.sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
+        if drop_empty:
+            return per_sequence.sum() / mask.any(dim=1).sum().clamp(min=1).to(per_sequence.dtype)
+        return per_sequence.mean()
     if loss_type == "dr_grpo":
         if max_completion_length is None or max_completion_length < 1:
             raise ValueError(f"dr_grpo needs max_completion_length >= 1, got {max_completion_length!r}")
-        return masked.sum() / (mask.shape[0] * max_completion_length)
+        return masked.sum() / ((mask.shape[0] if divide_by_batch else 1) * max_completion_length)
     return masked.sum() / m.sum().clamp(min=1.0)
 
 

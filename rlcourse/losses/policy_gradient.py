@@ -226,7 +226,7 @@ def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torc
 
 
 def ppo_clip_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_coef: float = 0.2,
-                       clip_coef_high: float | None = None) -> torch.Tensor:
+                       clip_coef_high: float | None = None, dual_clip: float | None = None) -> torch.Tensor:
     """The per-entry clipped surrogate (to be *maximised*) of PPO (Schulman et al., 2017):
 
     ``L^CLIP_t = min( r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t )``
@@ -237,21 +237,35 @@ def ppo_clip_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_coef:
     below ``1 - eps`` for ``A < 0``) the clipped branch is chosen, it is constant in theta, and the
     gradient is 0; moves that make the objective *worse* are never clipped. Note it is not
     ``min(r, clip(r)) A``: for ``A < 0`` the min of the products picks the *larger* ratio.
+
+    That last case is unbounded: for ``A < 0`` the objective ``r A`` falls without limit as ``r``
+    grows. ``dual_clip = c`` (dual-clip PPO, Ye et al., 2020, arXiv 1912.09729; verl applies it by
+    default with ``actor.clip_ratio_c = 3.0``, OpenRLHF with ``--actor.dual_clip``) bounds it:
+
+    ``L^DUAL_t = max( L^CLIP_t, c A_t )`` where ``A_t < 0``, ``L^CLIP_t`` elsewhere,
+
+    so a token's loss is capped at ``c |A_t|`` and its gradient is 0 once ``r_t > c``. ``None`` (the
+    default, TRL's and PPO's) leaves the objective unbounded; ``c`` must be > 1.
     """
     if clip_coef < 0 or (clip_coef_high is not None and clip_coef_high < 0):
         raise ValueError(f"clip_coef and clip_coef_high must be >= 0, got {clip_coef!r}, {clip_coef_high!r}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (a cap c |A| on negative advantages), got {dual_clip!r}")
     _same_shape(ratio=ratio, advantages=advantages)
     high = clip_coef if clip_coef_high is None else clip_coef_high
     advantages = advantages.detach()
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_coef, 1.0 + high) * advantages
-    return torch.minimum(unclipped, clipped)
+    objective = torch.minimum(unclipped, clipped)
+    if dual_clip is None:
+        return objective
+    return torch.where(advantages < 0, torch.maximum(objective, dual_clip * advantages), objective)
 
 
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor | None = None, clip_coef: float = 0.2,
-                  clip_coef_high: float | None = None) -> torch.Tensor:
-    """The PPO policy loss ``-masked_mean(L^CLIP)`` (see :func:`ppo_clip_objective`).
+                  clip_coef_high: float | None = None, dual_clip: float | None = None) -> torch.Tensor:
+    """The PPO policy loss ``-masked_mean(L^CLIP)`` (see :func:`ppo_clip_objective`, also for ``dual_clip``).
 
     ``loss = - sum_t mask_t min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) / sum_t mask_t``
 
@@ -265,7 +279,7 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
     old_logprobs = _real("old_logprobs", old_logprobs, m)
     advantages = _real("advantages", advantages, m)
     ratio = importance_ratio(logprobs, old_logprobs)
-    return -masked_mean(ppo_clip_objective(ratio, advantages, clip_coef, clip_coef_high), m)
+    return -masked_mean(ppo_clip_objective(ratio, advantages, clip_coef, clip_coef_high, dual_clip), m)
 
 
 @torch.no_grad()
