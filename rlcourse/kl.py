@@ -145,7 +145,11 @@ def kl_k3(logp, logq, mask=None, bound: float | None = None) -> torch.Tensor:
     short of the KL by the missing mass.)
     Never negative, since ``log r <= r - 1``. Its variance is far below k1's when the policies are
     close (``r - 1 ~ log r`` cancels the first-order noise) but grows fast when ``r`` can be large.
-    GRPO puts this estimator in its loss.
+    GRPO puts this estimator in its loss, where ``E[grad k3]`` is ``grad KL(pi_ref || pi_theta)``
+    (TRL multiplies it by the importance ratio to get ``grad KL(pi_theta || pi_ref)`` back). A right
+    estimate of the value is not a right penalty in a reward: there the expected gradient is
+    ``E[k3 grad log pi_theta] = grad KL(pi_theta || pi_ref) - grad KL(pi_ref || pi_theta)``; put
+    :func:`kl_k1` in a reward (lesson 07b measures both).
 
     ``expm1`` computes ``r - 1`` without cancellation when ``r`` is close to 1. ``log r`` is
     clamped at ``LOG_RATIO_BOUND`` above before the exponential (never below: there ``r - 1``

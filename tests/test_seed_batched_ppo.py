@@ -77,6 +77,7 @@ def _rows(batch, rows):
     return {k: v[rows] for k, v in batch.items()}
 
 
+@pytest.mark.filterwarnings("ignore:kl_estimator='k3':UserWarning")   # k3 on purpose: both trainers must agree on it
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
 @pytest.mark.parametrize("settings", [dict(), dict(kl_estimator="k3", whiten_rewards=True, missing_eos_penalty=1.0),
                                       dict(whiten_advantages=False, lam=1.0, cliprange=0.05)],

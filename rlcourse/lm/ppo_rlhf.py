@@ -22,6 +22,7 @@ Each step is a method of :class:`PPORLHFTrainer`, so a lesson can override one t
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,12 @@ class PPOConfig:
     only score *differences*, so its level is arbitrary, and with a penalty for a missing
     ``<eos>`` or a constant for it the level is not harmless: it decides whether that penalty is
     large or small next to a typical score.
+
+    ``kl_estimator`` is TRL's option: ``"k1"`` (the default, ``log pi_old - log pi_ref``) or ``"k3"``.
+    ``"k3"`` warns: in a reward the penalty only weighs ``grad log pi``, and the expected gradient
+    of ``k3 * grad log pi`` is ``grad KL(pi || ref) - grad KL(ref || pi)``, not ``grad KL(pi || ref)``
+    (k1's): near the reference the two nearly cancel, far from it the penalty can push the policy
+    away from the reference. Lesson 07b measures both ("In the reward, the penalty is a number").
     """
 
     learning_rate: float = 1e-3
@@ -88,6 +95,12 @@ class PPOConfig:
     def __post_init__(self):
         if self.kl_estimator not in ("k1", "k3"):
             raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}")
+        if self.kl_estimator == "k3":
+            warnings.warn("kl_estimator='k3' puts k3 in the reward, where its expected gradient is "
+                          "grad KL(pi || ref) - grad KL(ref || pi), not the gradient of the KL: near the reference "
+                          "the penalty barely regularises, far from it it can push the policy away. k1 (the default) "
+                          "is the estimator for a KL in the reward; lesson 07b measures both.",
+                          UserWarning, stacklevel=3)
         if self.batch_size < 1 or self.num_mini_batches < 1 or self.batch_size % self.num_mini_batches:
             raise ValueError(f"batch_size ({self.batch_size}) must be a positive multiple of "
                              f"num_mini_batches ({self.num_mini_batches})")
