@@ -45,7 +45,7 @@ def setup(tmp_path_factory):
     rows = [p for p in PROMPTS for _ in range(K)]
     dataset = Dataset.from_dict({"prompt": rows, "reward": REWARDS.tolist()})
     # float64: our forward (rlcourse.lm.fast_gpt2) and transformers' round differently in float32
-    # (~1e-6 relative); in float64 any difference left is in the formulas, not the rounding.
+    # (~1e-6 relative); in float64 what is left (~1e-7) is TRL's float32 log-probs (its fused head).
     grpo, rloo = (build_trl_trainer(trainer, config, path, tokenizer, dataset, _reward_column, path / "out",
                                     num_generations=K, max_completion_length=MAX_LEN, beta=0.04)
                   for trainer, config in ((trl.GRPOTrainer, trl.GRPOConfig), (trl.RLOOTrainer, trl.RLOOConfig)))

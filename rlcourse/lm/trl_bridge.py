@@ -7,6 +7,8 @@ Lesson 13 graduates from our single-process trainers to an engine that scales. T
   ``f(prompts, completions, **columns) -> list[float]``;
 * :func:`export_checkpoint` - a shipped checkpoint written to a folder TRL can load offline;
 * :data:`GRPO_NAME_MAP` - our setting names next to TRL's, verl's and OpenRLHF's;
+* :data:`PPO_NAME_MAP` - lesson 08's PPO-RLHF settings under OpenRLHF's and verl's names (TRL has
+  no PPO trainer since 1.13);
 * :func:`distributed_report` - who am I, how many of us are there, and do we hold the same weights?
 
 The last one exists because a multi-process launch can fail silently: on a CPU machine
@@ -24,29 +26,65 @@ import torch
 
 from rlcourse.lm.checkpoints import checkpoint_path
 
-__all__ = ["GRPO_NAME_MAP", "OURS_ONLY", "task_dataset", "task_reward_func", "export_checkpoint",
+__all__ = ["GRPO_NAME_MAP", "PPO_NAME_MAP", "OURS_ONLY", "task_dataset", "task_reward_func", "export_checkpoint",
            "grpo_config_kwargs", "dpo_config_kwargs", "preference_dataset",
            "parameter_checksum", "distributed_report"]
 
 # Our name (rlcourse trainers use TRL's names) -> TRL GRPOConfig, verl, OpenRLHF. Where a system
 # has no single switch for the setting, the entry says what to do instead. verl names are the
-# keys of its ppo_trainer.yaml (actor_rollout_ref.*, algorithm.*), OpenRLHF's its CLI flags.
+# keys of its ppo_trainer.yaml (actor_rollout_ref.*, algorithm.*), OpenRLHF's its CLI flags of
+# openrlhf/cli/train_ppo_ray.py; both read at the commits named in rlcourse.kl (verl b178a3c,
+# OpenRLHF 3c3be62, whose flags are dotted: --actor.*, --rollout.*, --algo.*).
 GRPO_NAME_MAP = {
-    "num_generations": ("num_generations", "actor_rollout_ref.rollout.n", "--n_samples_per_prompt"),
-    "learning_rate": ("learning_rate", "actor_rollout_ref.actor.optim.lr", "--actor_learning_rate"),
-    "beta": ("beta", "actor_rollout_ref.actor.kl_loss_coef (use_kl_loss=True)", "--init_kl_coef (--use_kl_loss)"),
-    "epsilon": ("epsilon", "actor_rollout_ref.actor.clip_ratio_low", "--eps_clip"),
-    "epsilon_high": ("epsilon_high", "actor_rollout_ref.actor.clip_ratio_high", "--eps_clip_low_high"),
-    "loss_type": ("loss_type", "actor_rollout_ref.actor.loss_agg_mode", "(token-mean by default)"),
-    "scale_rewards": ("scale_rewards", "algorithm.norm_adv_by_std_in_grpo", "--advantage_estimator group_norm"),
-    "num_iterations": ("num_iterations", "actor_rollout_ref.actor.ppo_epochs", "--max_epochs"),
-    "temperature": ("temperature", "actor_rollout_ref.rollout.temperature", "--temperature"),
-    "max_completion_length": ("max_completion_length", "data.max_response_length", "--generate_max_len"),
+    "num_generations": ("num_generations", "actor_rollout_ref.rollout.n", "--rollout.n_samples_per_prompt"),
+    "learning_rate": ("learning_rate", "actor_rollout_ref.actor.optim.lr", "--actor.adam.lr"),
+    "beta": ("beta", "actor_rollout_ref.actor.kl_loss_coef (use_kl_loss=True)",
+             "--algo.kl.init_coef (with --algo.kl.use_loss)"),
+    "epsilon": ("epsilon", "actor_rollout_ref.actor.clip_ratio_low", "--actor.eps_clip"),
+    "epsilon_high": ("epsilon_high", "actor_rollout_ref.actor.clip_ratio_high",
+                     "--actor.eps_clip_low_high LOW HIGH"),
+    "loss_type": ("loss_type", "actor_rollout_ref.actor.loss_agg_mode", "(always the token mean)"),
+    "scale_rewards": ("scale_rewards", "algorithm.norm_adv_by_std_in_grpo",
+                      "--algo.advantage.estimator group_norm (dr_grpo: no std)"),
+    "num_iterations": ("num_iterations", "actor_rollout_ref.actor.ppo_epochs", "--train.max_epochs"),
+    "temperature": ("temperature", "actor_rollout_ref.rollout.temperature", "--rollout.temperature"),
+    "max_completion_length": ("max_completion_length", "data.max_response_length", "--rollout.max_new_tokens"),
     "per_device_train_batch_size": ("per_device_train_batch_size",
                                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-                                    "--micro_train_batch_size"),
+                                    "--train.micro_batch_size"),
     "kl_estimator": ("(k3 in the loss)", "actor_rollout_ref.actor.kl_loss_type (low_var_kl = k3)",
-                     "--kl_estimator"),
+                     "--algo.kl.estimator"),
+}
+
+# Lesson 08's PPOConfig (TRL's last PPOConfig names) -> OpenRLHF CLI flag, verl key, read in the
+# same sources. Both engines train PPO with a critic by default (OpenRLHF
+# --algo.advantage.estimator gae, verl algorithm.adv_estimator: gae); both put the KL penalty in
+# the reward by default, as lesson 08 does. The critic is a separate model with its own optimiser
+# in both, so there is no vf_coef: its learning rate plays that part.
+PPO_NAME_MAP = {
+    "learning_rate": ("--actor.adam.lr", "actor_rollout_ref.actor.optim.lr"),
+    "batch_size": ("--rollout.batch_size (prompts) x --rollout.n_samples_per_prompt",
+                   "data.train_batch_size (prompts) x actor_rollout_ref.rollout.n"),
+    "num_mini_batches": ("--train.batch_size (samples per optimiser step)",
+                         "actor_rollout_ref.actor.ppo_mini_batch_size (prompts per optimiser step)"),
+    "num_ppo_epochs": ("--train.max_epochs", "actor_rollout_ref.actor.ppo_epochs"),
+    "response_length": ("--rollout.max_new_tokens", "data.max_response_length"),
+    "temperature": ("--rollout.temperature", "actor_rollout_ref.rollout.temperature"),
+    "kl_coef": ("--algo.kl.init_coef (adaptive with --algo.kl.target)",
+                "algorithm.kl_ctrl.kl_coef (with algorithm.use_kl_in_reward=True)"),
+    "kl_estimator": ("--algo.kl.estimator (k1, k2, k3)", "algorithm.kl_penalty (kl = k1, low_var_kl = k3)"),
+    "cliprange": ("--actor.eps_clip", "actor_rollout_ref.actor.clip_ratio"),
+    "cliprange_value": ("--critic.value_clip", "critic.cliprange_value"),
+    "vf_coef": ("(none: --critic.adam.lr)", "(none: critic.optim.lr)"),
+    "gamma": ("--algo.advantage.gamma", "algorithm.gamma"),
+    "lam": ("--algo.advantage.lambd", "algorithm.lam"),
+    "whiten_advantages": ("(always for gae; --algo.advantage.no_std_norm only centres)",
+                          "(always for gae: masked_whiten, with Bessel's correction)"),
+    "whiten_rewards": ("(none)", "(none)"),
+    "missing_eos_penalty": ("(none: --reward.stop_properly_penalty_coef in [0, 1] scales a cut reward)",
+                            "(none: write it into the reward function)"),
+    "non_eos_score": ("--reward.stop_properly_penalty_coef (a negative value replaces a cut reward)",
+                      "(none: write it into the reward function)"),
 }
 
 
