@@ -8,7 +8,7 @@ import torch
 
 from rlcourse.losses import (DPO_LOSS_TYPES as LOSS_TYPES, chosen_nll_loss, dpo_hinge_loss, dpo_implicit_reward,
                              dpo_logratio_margin, dpo_sigmoid_loss, ipo_loss, preference_loss,
-                             robust_dpo_loss)
+                             robust_dpo_loss, conservative_dpo_loss)
 
 
 def _logps(seed, n=6, scale=4.0):
@@ -86,6 +86,27 @@ def test_robust_loss_is_unbiased_under_label_flips():
     flipped = robust_dpo_loss(cl, cw, rl, rw, beta, e)
     assert torch.allclose((1 - e) * kept + e * flipped, dpo_sigmoid_loss(cw, cl, rw, rl, beta))
     assert torch.allclose(robust_dpo_loss(cw, cl, rw, rl, beta, 0.0), dpo_sigmoid_loss(cw, cl, rw, rl, beta))
+
+
+def test_conservative_loss_has_a_finite_minimiser_where_robust_has_none():
+    """cDPO is the cross-entropy against the soft label 1 - e: its minimiser is beta h = log((1 - e) / e), in closed
+    form; robust DPO's slope never vanishes (d/dh = -beta [e / (1 - 2e) + sigmoid(-beta h)], by hand)."""
+    beta, e = 0.5, 0.2
+    zero = torch.zeros(401, dtype=torch.float64)
+    h = torch.linspace(-10, 20, 401, dtype=torch.float64).requires_grad_(True)
+    conservative = conservative_dpo_loss(h, zero, zero, zero, beta, e)
+    best = float(h.detach()[conservative.argmin()])
+    assert abs(best - torch.log(torch.tensor((1 - e) / e)).item() / beta) < 30 / 400
+    (slope,) = torch.autograd.grad(robust_dpo_loss(h, zero, zero, zero, beta, e).sum(), h)
+    by_hand = -beta * (e / (1 - 2 * e) + torch.sigmoid(-beta * h.detach()))
+    assert torch.allclose(slope, by_hand) and (slope < -beta * e / (1 - 2 * e) + 1e-12).all()
+    # the soft-label cross-entropy, written out, and e = 0 is DPO
+    cw, cl, rw, rl = _logps(5)
+    p = torch.sigmoid(beta * ((cw - rw) - (cl - rl)))
+    assert torch.allclose(conservative_dpo_loss(cw, cl, rw, rl, beta, e), -(1 - e) * p.log() - e * (1 - p).log())
+    assert torch.allclose(conservative_dpo_loss(cw, cl, rw, rl, beta, 0.0), dpo_sigmoid_loss(cw, cl, rw, rl, beta))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        conservative_dpo_loss(cw, cl, rw, rl, beta, 0.5)
 
 
 def test_hinge_stops_past_the_margin():

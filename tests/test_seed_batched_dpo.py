@@ -77,6 +77,31 @@ def test_each_seed_trains_as_train_dpo_trains_it_alone(checkpoint):
         assert float(F.cosine_similarity(moved_alone, moved_together, dim=0)) > 0.999
 
 
+def test_each_run_keeps_its_own_settings(checkpoint):
+    """One config per model: different beta, loss type, label smoothing and learning rate in one stack, each run
+    as train_dpo runs it alone with its own config."""
+    model, tok = checkpoint
+    common = dict(per_device_train_batch_size=4, max_steps=5, precompute_ref_log_probs=True)
+    configs = [DPOConfig(beta=0.3, learning_rate=1e-3, **common),
+               DPOConfig(beta=0.1, loss_type="robust", label_smoothing=0.2, learning_rate=1e-4, **common),
+               DPOConfig(beta=1.0, loss_type=["sigmoid", "sft"], learning_rate=3e-3, lr_scheduler_type="constant",
+                         **common)]
+    pairs, seeds = _pairs(10, 0), [3, 3, 4]
+    together = [copy.deepcopy(model) for _ in configs]
+    histories = train_dpo_seeds(together, tok, pairs, configs, seeds=seeds, progress=False)
+    for s, (config, seed) in enumerate(zip(configs, seeds)):
+        single = train_dpo(copy.deepcopy(model), tok, pairs, _with_seed(config, seed), progress=False)
+        assert histories[s]["learning_rate"] == pytest.approx(single["learning_rate"])
+        assert histories[s]["loss"][0] == pytest.approx(single["loss"][0], rel=1e-6)
+        assert histories[s]["loss"] == pytest.approx(single["loss"], rel=2e-3)
+        assert histories[s]["rewards/margins"] == pytest.approx(single["rewards/margins"], rel=1e-2, abs=1e-4)
+    with pytest.raises(ValueError, match="share per_device_train_batch_size"):
+        train_dpo_seeds([model, model], tok, pairs, [DPOConfig(), DPOConfig(per_device_train_batch_size=2)],
+                        progress=False)
+    with pytest.raises(ValueError, match="one DPOConfig per model"):
+        train_dpo_seeds([model, model], tok, pairs, [DPOConfig()], progress=False)
+
+
 def _with_seed(args, seed):
     fields = {k: v for k, v in vars(args).items() if k != "loss_types"}
     return DPOConfig(**{**fields, "seed": seed})

@@ -14,6 +14,11 @@ A stacked forward needs the same number of rows from every seed, so a seed whose
 shorter (the last of an epoch) is filled with copies of its first pair, and a seed that has
 finished (fewer pairs, fewer steps) keeps a dummy minibatch; neither enters its loss, and a
 finished seed's weights and optimiser state do not move.
+
+The runs need not share their settings: ``args`` may be one :class:`~rlcourse.lm.dpo.DPOConfig` per
+model (its own ``beta``, ``loss_type``, ``label_smoothing``, ``learning_rate``, steps), so that a
+sweep over a setting trains as one stack. Only what the stack does for all runs at once must agree:
+``per_device_train_batch_size``, ``weight_decay`` and ``max_grad_norm``.
 """
 from __future__ import annotations
 
@@ -60,13 +65,29 @@ def _filled(batch: dict, rows: int) -> dict:
     return {k: v[pick] for k, v in batch.items()}
 
 
-def seed_losses(stack, args: DPOConfig, data: list[dict], picked: list[torch.Tensor], tables, active,
+def _per_model(args, S: int) -> list[DPOConfig]:
+    """``args`` as one config per model: a single config repeated, or a list checked for what the stack shares."""
+    if args is None or isinstance(args, DPOConfig):
+        return [args or DPOConfig()] * S
+    configs = list(args)
+    if len(configs) != S or not all(isinstance(a, DPOConfig) for a in configs):
+        raise ValueError(f"args must be one DPOConfig or a list of one DPOConfig per model ({S}), got {args!r}")
+    for name in ("per_device_train_batch_size", "weight_decay", "max_grad_norm"):
+        values = {getattr(a, name) for a in configs}
+        if len(values) != 1:
+            raise ValueError(f"the runs of one stack must share {name}, got {sorted(values)}")
+    return configs
+
+
+def seed_losses(stack, args, data: list[dict], picked: list[torch.Tensor], tables, active,
                 pad_id: int) -> dict:
     """Each active seed's DPO loss on its pairs ``picked[s]`` of ``data[s]``, from one stacked forward.
 
-    ``tables[s]`` holds seed ``s``'s reference log-probs of every pair (chosen, rejected). Returns
-    ``{s: (loss, chosen_logps, rejected_logps)}`` (:func:`rlcourse.lm.dpo.batch_loss`).
+    ``args``: one :class:`~rlcourse.lm.dpo.DPOConfig`, or one per seed. ``tables[s]`` holds seed ``s``'s
+    reference log-probs of every pair (chosen, rejected). Returns ``{s: (loss, chosen_logps,
+    rejected_logps)}`` (:func:`rlcourse.lm.dpo.batch_loss`).
     """
+    configs = _per_model(args, len(data))
     dev = data[0]["prompt_ids"].device
     batches = [select_pairs(d, idx.to(dev)) for d, idx in zip(data, picked)]
     rows = max(len(idx) for idx in picked)
@@ -81,24 +102,27 @@ def seed_losses(stack, args: DPOConfig, data: list[dict], picked: list[torch.Ten
         both = torch.cat([torch.arange(start, start + n), torch.arange(start + rows, start + rows + n)]).to(dev)
         chosen_tok, rejected_tok = tok[both].chunk(2, dim=0)
         ref_chosen, ref_rejected = (t[picked[s].to(dev)] for t in tables[s])
-        out[s] = batch_loss(args, chosen_tok, rejected_tok, joint["completion_mask"][both], ref_chosen, ref_rejected)
+        out[s] = batch_loss(configs[s], chosen_tok, rejected_tok, joint["completion_mask"][both], ref_chosen,
+                            ref_rejected)
     return out
 
 
-def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | None = None, seeds=None, ref_models=None,
-                    progress: bool = True) -> list[dict]:
+def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | list[DPOConfig] | None = None, seeds=None,
+                    ref_models=None, progress: bool = True) -> list[dict]:
     """Train every ``models[s]`` in place by DPO on ``pairs[s]`` with seed ``seeds[s]``; one history per seed.
 
     ``models``: plain GPT-2 models (:func:`rlcourse.lm.fast_gpt2.supports`), one per seed.
     ``pairs``: one list of ``{"prompt", "chosen", "rejected"}`` pairs for every seed, or one list
-    per seed. ``seeds`` (default ``args.seed + s``) seed each run's shuffles. ``ref_models`` default
-    to frozen copies of the models as they are now. Histories are :func:`rlcourse.lm.dpo.train_dpo`'s,
+    per seed. ``args``: one config for every run, or one per model (see the module's docstring).
+    ``seeds`` (default ``args.seed + s``, with model ``s``'s config) seed each run's shuffles.
+    ``ref_models`` default to frozen copies of the models as they are now. Histories are :func:`rlcourse.lm.dpo.train_dpo`'s,
     ``seconds`` being the shared training time divided by the seeds. The reference log-probs are
     computed once up front (as ``train_dpo`` does with ``precompute_ref_log_probs``).
     """
-    args = args or DPOConfig()
     models = list(models)
     S = len(models)
+    configs = _per_model(args, S)
+    args = configs[0]                      # what the stack shares: batch size, weight decay, clipping
     for i, m in enumerate(models):
         if not supports(m):
             raise ValueError(f"models[{i}] is not a plain GPT-2 model (rlcourse.lm.fast_gpt2.supports): use train_dpo")
@@ -106,19 +130,28 @@ def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | None = None, see
         pairs = [pairs] * S
     if len(pairs) != S:
         raise ValueError(f"pairs must be one list of pairs or one per model ({S}), got {len(pairs)} lists")
-    seeds = [args.seed + s for s in range(S)] if seeds is None else [int(s) for s in seeds]
+    seeds = [configs[s].seed + s for s in range(S)] if seeds is None else [int(s) for s in seeds]
     if len(seeds) != S:
         raise ValueError(f"seeds must hold one seed per model ({S}), got {seeds}")
     refs = [frozen_copy(m) for m in models] if ref_models is None else list(ref_models)
     dev = next(models[0].parameters()).device
     for p in pairs:
         check_preference_pairs(tokenizer, p)
-    data = [encode_preference_pairs(tokenizer, p, dev) for p in pairs]
+    # Runs given the same list of pairs (or the same reference and pairs) share its encoding (or its table).
+    encoded = {}
+    for p in pairs:
+        if id(p) not in encoded:
+            encoded[id(p)] = encode_preference_pairs(tokenizer, p, dev)
+    data = [encoded[id(p)] for p in pairs]
     bs = args.per_device_train_batch_size
-    steps = [args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * math.ceil(len(p) / bs))
-             for p in pairs]
+    steps = [a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * math.ceil(len(p) / bs))
+             for a, p in zip(configs, pairs)]
     # The reference log-probs of every pair, once (what train_dpo does with precompute_ref_log_probs).
-    tables = [_reference_logps(r.eval(), d, max(bs, 64)) for r, d in zip(refs, data)]
+    computed = {}
+    for r, p, d in zip(refs, pairs, data):
+        if (id(r), id(p)) not in computed:
+            computed[id(r), id(p)] = _reference_logps(r.eval(), d, max(bs, 64))
+    tables = [computed[id(r), id(p)] for r, p in zip(refs, pairs)]
 
     stack = stack_models(models)
     opt = SeedAdam(stack.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -126,7 +159,8 @@ def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | None = None, see
     orders = [torch.empty(0, dtype=torch.long) for _ in seeds]
     histories = [{"step": [], **{k: [] for k in HISTORY_KEYS}} for _ in seeds]
     start = time.perf_counter()
-    bar = tqdm(range(max(steps)), desc=f"DPO x{S} seeds ({'+'.join(args.loss_types)}, beta={args.beta})",
+    kinds = sorted({f"{'+'.join(a.loss_types)}, beta={a.beta}" for a in configs})
+    bar = tqdm(range(max(steps)), desc=f"DPO x{S} seeds ({kinds[0] if len(kinds) == 1 else f'{len(kinds)} settings'})",
                disable=not progress)
     for step in bar:
         active = torch.tensor([step < n for n in steps])
@@ -139,12 +173,12 @@ def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | None = None, see
                 orders[s] = torch.randperm(len(pairs[s]), generator=gens[s])
             picked.append(orders[s][:bs])
             orders[s] = orders[s][bs:]
-        losses = seed_losses(stack, args, data, picked, tables, active, tokenizer.pad_token_id)
+        losses = seed_losses(stack, configs, data, picked, tables, active, tokenizer.pad_token_id)
         for s, (loss, _, _) in losses.items():
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"DPO loss of seed {seeds[s]} is {loss.item()} at step {step}: lower "
                                          f"learning_rate or check the data")
-        lrs = [args.learning_rate * lr_factor(args, step, n) for n in steps]
+        lrs = [a.learning_rate * lr_factor(a, step, n) for a, n in zip(configs, steps)]
         opt.zero_grad()
         opt.backward(sum(loss for loss, _, _ in losses.values()))
         if args.max_grad_norm and args.max_grad_norm > 0:
@@ -156,7 +190,7 @@ def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | None = None, see
             h["loss"].append(loss.item())
             h["learning_rate"].append(lrs[s])
             ref_chosen, ref_rejected = (t[picked[s].to(dev)] for t in tables[s])
-            for k, v in dpo_metrics(chosen, rejected, ref_chosen, ref_rejected, args.beta).items():
+            for k, v in dpo_metrics(chosen, rejected, ref_chosen, ref_rejected, configs[s].beta).items():
                 h[k].append(v)
         bar.set_postfix(loss=f"{sum(loss.item() for loss, _, _ in losses.values()) / len(losses):.3f}")
     for h in histories:                      # the seeds shared the clock: each is charged its share

@@ -15,6 +15,8 @@ margin ``h = [log pi(y_w) - log pi_ref(y_w)] - [log pi(y_l) - log pi_ref(y_l)]``
     ipo                (h / |y| - 1 / (2 beta))^2                    Azar et al. 2023, arXiv 2310.12036
     robust             [-(1-e) log s(beta h) + e log s(-beta h)] / (1 - 2e)
                                                                      Chowdhury et al. 2024, arXiv 2403.00409
+    conservative       -(1-e) log s(beta h) - e log s(-beta h)       cDPO, Mitchell 2023 (a note,
+                                                                     https://ericmitchell.ai/cdpo.pdf)
     sft (NLL)          -mean over chosen tokens of log pi(y_w,t | x, y_w,<t)
                                                                      added to any of them: RPO,
                                                                      Pang et al. 2024, arXiv 2404.19733
@@ -34,7 +36,8 @@ import torch.nn.functional as F
 from rlcourse.losses.policy_gradient import masked_mean
 
 __all__ = ["DPO_LOSS_TYPES", "dpo_implicit_reward", "dpo_logratio_margin", "dpo_sigmoid_loss",
-           "dpo_hinge_loss", "ipo_loss", "robust_dpo_loss", "chosen_nll_loss", "preference_loss"]
+           "dpo_hinge_loss", "ipo_loss", "robust_dpo_loss", "conservative_dpo_loss", "chosen_nll_loss",
+           "preference_loss"]
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "sft")
 LOSS_TYPES = DPO_LOSS_TYPES  # the short name inside this module
@@ -149,6 +152,28 @@ def robust_dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected
     h = dpo_logratio_margin(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
     eps = label_smoothing
     return (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
+
+
+def conservative_dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                          beta: float, label_smoothing: float) -> torch.Tensor:
+    """Conservative DPO (cDPO; E. Mitchell 2023, "A note on DPO with noisy preferences & relationship to IPO"):
+
+        -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h),
+
+    the cross-entropy of the implicit preference ``sigmoid(beta h)`` against the soft label ``1 - e``
+    (``e`` = ``label_smoothing``). Unlike DPO and robust DPO it has a finite minimiser per pair,
+    ``beta h = log((1 - e) / e)``, so a pair's margin stops growing there. This is what OpenRLHF's
+    ``DPOLoss`` computes with ``label_smoothing > 0`` (``openrlhf/models/loss.py``); TRL 1.16 reads
+    ``label_smoothing`` only in its ``robust`` and ``exo_pair`` losses, and has no cDPO loss type,
+    so this function is not one of :data:`LOSS_TYPES`. ``e = 0`` is DPO.
+    """
+    _check_beta(beta)
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}")
+    h = dpo_logratio_margin(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    eps = label_smoothing
+    return -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
 
 
 def chosen_nll_loss(chosen_token_logps: torch.Tensor, chosen_mask: torch.Tensor) -> torch.Tensor:
