@@ -20,7 +20,14 @@ valid answers stay. Every algorithm gets the same number of sampled completions 
 several seeds of one method together (:mod:`rlcourse.lm.seed_batched`,
 :mod:`rlcourse.lm.seed_batched_ppo`, :mod:`rlcourse.lm.seed_batched_dpo`); :func:`compare`
 runs them all and :func:`summary` gives the table: mean and a 95% t-interval over seeds for each
-metric. :func:`paired_difference` compares two methods seed by seed.
+metric. :func:`paired_difference` compares two methods seed by seed, and :func:`start_results`
+lets it compare a method with the checkpoint it started from.
+
+Each evaluation samples every target of the task several times at temperature 1 and reports
+validity (pass@1), the KL to the checkpoint, pass@k and the share of distinct answers among the
+valid ones (:mod:`rlcourse.lm.coverage`). The evaluations before and after training draw more
+samples per target (``final_samples_per_target``) than the ones along the way: the final numbers
+are the ones compared, and their sampling noise is most of the spread between seeds.
 """
 from __future__ import annotations
 
@@ -32,13 +39,15 @@ import numpy as np
 import torch
 
 from rlcourse.lm import DigitSumTask, load_checkpoint, sample
+from rlcourse.lm.coverage import coverage
 from rlcourse.lm.dpo import DPOConfig, reward_and_kl, train_dpo
 from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
 from rlcourse.lm.sft import train_sft
 from rlcourse.runtime import seed_everything
 
 __all__ = ["ALGORITHMS", "MODELS_HELD", "SEED_BATCHED", "T975", "CapstoneConfig", "run", "run_seeds", "compare",
-           "summary", "t_interval", "interval_above", "intervals_separate", "paired_difference", "curve_band"]
+           "evaluate_start", "summary", "t_interval", "interval_above", "intervals_separate", "paired_difference",
+           "start_results", "curve_band"]
 
 # name -> PolicyGradientConfig overrides (None: a trainer of its own)
 _PG = {
@@ -67,18 +76,29 @@ class CapstoneConfig:
     batch: int = 64                 # completions per step (8 prompts x 8 generations)
     learning_rate: float = 6e-4
     eval_points: int = 4            # evaluations along the way (plus one before training)
-    eval_samples_per_target: int = 4
+    eval_samples_per_target: int = 4    # samples per target at the evaluations along the way
+    final_samples_per_target: int = 4   # ... before training and after the whole budget (lesson 12: 16)
+    pass_k: tuple = (1, 4, 16)      # pass@k reported for each k <= the samples per target
     checkpoint: str = "digitsum-sft"
 
 
-def _evaluate(model, ref, tokenizer, task, cfg: CapstoneConfig, seed: int) -> dict:
-    """Sampled validity, KL(pi || pi_ref) along the samples, and distinct valid answers per target."""
-    prompts = task.test_prompts() * cfg.eval_samples_per_target
+def _evaluate(model, ref, tokenizer, task, cfg: CapstoneConfig, seed: int, final: bool = False) -> dict:
+    """Sampled validity, KL(pi || pi_ref) along the samples, distinct valid answers per target, and the
+    coverage of :func:`rlcourse.lm.coverage.coverage` (pass@k, distinct among valid) of the same samples.
+
+    ``final`` (before training and after the budget) draws ``final_samples_per_target`` per target.
+    """
+    n = cfg.final_samples_per_target if final else cfg.eval_samples_per_target
+    prompts = task.test_prompts() * n
     gen = torch.Generator(next(model.parameters()).device).manual_seed(10_000 + seed)
     validity, kl = reward_and_kl(model, ref, tokenizer, task, prompts, generator=gen)
-    gen.manual_seed(10_000 + seed)
+    gen.manual_seed(10_000 + seed)       # the same completions again, to look at them
     roll = sample(model, tokenizer, prompts, task.max_new_tokens, generator=gen)
-    return {"validity": validity, "kl": kl, "distinct": task.distinct_valid(prompts, roll.completions)}
+    valid = [task.is_valid(p, c) for p, c in zip(prompts, roll.completions)]
+    cover = coverage(prompts, roll.completions, valid, ks=[k for k in cfg.pass_k if k <= n])
+    cover.pop("valid_answers")
+    return {"validity": validity, "kl": kl, "distinct": task.distinct_valid(prompts, roll.completions),
+            "samples_per_target": n, **cover}
 
 
 def _pg_config(name, cfg, seed) -> PolicyGradientConfig:
@@ -162,12 +182,29 @@ def _checked(algorithm: str, cfg: CapstoneConfig | None) -> CapstoneConfig:
     return cfg
 
 
-def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=None) -> dict:
+def _start_row(model, ref, tokenizer, task, cfg, seed, start):
+    """The curve's first row: the checkpoint's evaluation for ``seed`` (``start`` when already made)."""
+    return {"samples": 0, "seconds": 0.0,
+            **(start if start is not None else _evaluate(model, ref, tokenizer, task, cfg, seed, final=True))}
+
+
+def evaluate_start(seed: int, cfg: CapstoneConfig | None = None, device=None) -> dict:
+    """The checkpoint's evaluation for ``seed`` as every run of that seed begins with it (pass it as ``start``)."""
+    cfg = cfg or CapstoneConfig()
+    model, tokenizer = load_checkpoint(cfg.checkpoint, device=device)
+    ref, _ = load_checkpoint(cfg.checkpoint, device=device)
+    return _evaluate(model, ref, tokenizer, DigitSumTask(), cfg, seed, final=True)
+
+
+def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=None, start: dict | None = None) -> dict:
     """Train one algorithm from the checkpoint; return its learning curve and costs.
 
     ``curve`` rows: ``samples`` drawn so far, ``seconds`` of training so far (evaluation excluded),
-    ``validity``, ``kl`` and ``distinct``. Also ``models_held``, ``parameters`` (of one model),
-    ``completions_per_second`` and, on CUDA, ``peak_memory_mb``.
+    ``validity``, ``kl``, ``distinct`` (different valid answers per target), ``distinct_among_valid``,
+    ``pass@k`` and ``samples_per_target``; the first and last rows are evaluated with
+    ``cfg.final_samples_per_target``. Also ``models_held``, ``parameters`` (of one model),
+    ``completions_per_second`` and, on CUDA, ``peak_memory_mb``. ``start``: the checkpoint's
+    evaluation for this seed (:func:`evaluate_start`) when it is already made.
     """
     cfg = _checked(algorithm, cfg)
     seed_everything(seed)
@@ -177,40 +214,43 @@ def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=Non
     dev = next(model.parameters()).device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    curve = [{"samples": 0, "seconds": 0.0, **_evaluate(model, ref, tokenizer, task, cfg, seed)}]
+    curve = [_start_row(model, ref, tokenizer, task, cfg, seed, start)]
     marks = [round(cfg.budget * (k + 1) / cfg.eval_points) for k in range(cfg.eval_points)]
     samples, seconds = 0, 0.0
     if algorithm == "DPO":  # offline: the whole budget is sampled first, then trained on
-        start = time.perf_counter()
+        tic = time.perf_counter()
         pairs = _dpo_pairs(model, tokenizer, task, cfg.budget, seed)
         train_dpo(model, tokenizer, pairs, _dpo_config(cfg, seed), ref_model=ref, progress=False)
-        samples, seconds = cfg.budget, time.perf_counter() - start
-        curve.append({"samples": samples, "seconds": seconds, **_evaluate(model, ref, tokenizer, task, cfg, seed)})
+        samples, seconds = cfg.budget, time.perf_counter() - tic
+        curve.append({"samples": samples, "seconds": seconds,
+                      **_evaluate(model, ref, tokenizer, task, cfg, seed, final=True)})
     else:
         step = (_pg_trainer(algorithm, model, tokenizer, task, cfg, seed) if algorithm in _PG else
                 _ppo_trainer(model, tokenizer, task, cfg, seed) if algorithm == "PPO" else
                 _rft_trainer(model, tokenizer, task, cfg, seed))
         while samples < cfg.budget:
-            start = time.perf_counter()
+            tic = time.perf_counter()
             samples += step()            # completions sampled by this step
-            seconds += time.perf_counter() - start
+            seconds += time.perf_counter() - tic
             if marks and samples >= marks[0]:
                 marks.pop(0)
                 curve.append({"samples": samples, "seconds": seconds,
-                              **_evaluate(model, ref, tokenizer, task, cfg, seed)})
+                              **_evaluate(model, ref, tokenizer, task, cfg, seed, final=not marks)})
     out = _result(algorithm, seed, curve, model, samples / max(seconds, 1e-9))
     if dev.type == "cuda":
         out["peak_memory_mb"] = torch.cuda.max_memory_allocated(dev) / 2**20
     return out
 
 
-def run_seeds(algorithm: str, seeds, cfg: CapstoneConfig | None = None, device=None) -> list[dict]:
+def run_seeds(algorithm: str, seeds, cfg: CapstoneConfig | None = None, device=None,
+              starts: dict | None = None) -> list[dict]:
     """:func:`run` for several seeds of one method of ``SEED_BATCHED``, trained together in one stacked model.
 
     Seed ``s`` is the run :func:`run` would make (the same prompts and sampling streams; its
     trajectory matches to float rounding). One result per seed, as :func:`run` returns it, with
     ``seeds_batched`` added; its ``seconds`` are the shared training time divided by the number of
-    seeds (the cost of one seed when seeds are trained together).
+    seeds (the cost of one seed when seeds are trained together). ``starts``: ``{seed: evaluate_start(seed)}``
+    when already made.
     """
     from rlcourse.lm.seed_batched import SeedBatchedPolicyGradientTrainer
 
@@ -218,11 +258,12 @@ def run_seeds(algorithm: str, seeds, cfg: CapstoneConfig | None = None, device=N
     if algorithm not in SEED_BATCHED:
         raise ValueError(f"run_seeds trains the methods of SEED_BATCHED {SEED_BATCHED}, got {algorithm!r}: use run()")
     seeds = [int(s) for s in seeds]
+    starts = starts or {}
     task = DigitSumTask()
     model, tokenizer = load_checkpoint(cfg.checkpoint, device=device)
     ref, _ = load_checkpoint(cfg.checkpoint, device=device)
     if algorithm == "DPO":
-        return _dpo_seeds(model, ref, tokenizer, task, seeds, cfg)
+        return _dpo_seeds(model, ref, tokenizer, task, seeds, cfg, starts)
     if algorithm == "PPO":
         from rlcourse.lm.seed_batched_ppo import SeedBatchedPPORLHFTrainer
         from rlcourse.lm.value_model import make_value_model
@@ -232,7 +273,7 @@ def run_seeds(algorithm: str, seeds, cfg: CapstoneConfig | None = None, device=N
     else:
         trainer = SeedBatchedPolicyGradientTrainer(model, tokenizer, task, _pg_config(algorithm, cfg, seeds[0]),
                                                    seeds=seeds)
-    curves = [[{"samples": 0, "seconds": 0.0, **_evaluate(model, ref, tokenizer, task, cfg, s)}] for s in seeds]
+    curves = [[_start_row(model, ref, tokenizer, task, cfg, s, starts.get(s))] for s in seeds]
     marks = [round(cfg.budget * (k + 1) / cfg.eval_points) for k in range(cfg.eval_points)]
     samples, seconds = 0, 0.0
     while samples < cfg.budget:
@@ -244,48 +285,50 @@ def run_seeds(algorithm: str, seeds, cfg: CapstoneConfig | None = None, device=N
             marks.pop(0)
             for i, s in enumerate(seeds):
                 curves[i].append({"samples": samples, "seconds": seconds / len(seeds),
-                                  **_evaluate(trainer.model_of(i), ref, tokenizer, task, cfg, s)})
+                                  **_evaluate(trainer.model_of(i), ref, tokenizer, task, cfg, s, final=not marks)})
     return [_result(algorithm, s, curve, model, samples * len(seeds) / max(seconds, 1e-9), seeds_batched=len(seeds))
             for s, curve in zip(seeds, curves)]
 
 
-def _dpo_seeds(model, ref, tokenizer, task, seeds: list[int], cfg: CapstoneConfig) -> list[dict]:
+def _dpo_seeds(model, ref, tokenizer, task, seeds: list[int], cfg: CapstoneConfig, starts: dict) -> list[dict]:
     """DPO's :func:`run_seeds`: each seed's offline pairs sampled as :func:`run` samples them, then one
     seed-batched training (:func:`rlcourse.lm.seed_batched_dpo.train_dpo_seeds`)."""
     import copy
 
     from rlcourse.lm.seed_batched_dpo import train_dpo_seeds
 
-    starts = [{"samples": 0, "seconds": 0.0, **_evaluate(model, ref, tokenizer, task, cfg, s)} for s in seeds]
+    firsts = [_start_row(model, ref, tokenizer, task, cfg, s, starts.get(s)) for s in seeds]
     start = time.perf_counter()
     pairs = [_dpo_pairs(model, tokenizer, task, cfg.budget, s) for s in seeds]
     models = [copy.deepcopy(model) for _ in seeds]
     train_dpo_seeds(models, tokenizer, pairs, _dpo_config(cfg, seeds[0]), seeds=seeds, ref_models=[ref] * len(seeds),
                     progress=False)
     seconds = (time.perf_counter() - start) / len(seeds)
-    ends = [{"samples": cfg.budget, "seconds": seconds, **_evaluate(m, ref, tokenizer, task, cfg, s)}
+    ends = [{"samples": cfg.budget, "seconds": seconds, **_evaluate(m, ref, tokenizer, task, cfg, s, final=True)}
             for s, m in zip(seeds, models)]
     return [_result("DPO", s, [first, end], model, cfg.budget / seconds, seeds_batched=len(seeds))
-            for s, first, end in zip(seeds, starts, ends)]
+            for s, first, end in zip(seeds, firsts, ends)]
 
 
 def compare(algorithms=ALGORITHMS, seeds=(0, 1, 2), cfg: CapstoneConfig | None = None, progress: bool = True,
             device=None, batch_seeds: bool = True) -> list[dict]:
     """Every (algorithm, seed): :func:`run_seeds` for ``SEED_BATCHED`` methods (with ``batch_seeds``),
-    :func:`run` one seed at a time for the others. A tqdm bar names the run in progress."""
+    :func:`run` one seed at a time for the others. The checkpoint is evaluated once per seed and every
+    run of that seed starts from that evaluation. A tqdm bar names the run in progress."""
     from tqdm.auto import tqdm
 
+    starts = {int(s): evaluate_start(int(s), cfg, device=device) for s in seeds}
     results = []
     with tqdm(total=len(algorithms) * len(seeds), disable=not progress, desc="capstone") as bar:
         for algorithm in algorithms:
             if batch_seeds and algorithm in SEED_BATCHED and len(seeds) > 1:
                 bar.set_postfix_str(f"{algorithm}, {len(seeds)} seeds together")
-                results += run_seeds(algorithm, seeds, cfg, device=device)
+                results += run_seeds(algorithm, seeds, cfg, device=device, starts=starts)
                 bar.update(len(seeds))
                 continue
             for seed in seeds:
                 bar.set_postfix_str(f"{algorithm}, seed {seed}")
-                results.append(run(algorithm, seed, cfg, device=device))
+                results.append(run(algorithm, seed, cfg, device=device, start=starts[int(seed)]))
                 bar.update(1)
     return results
 
@@ -336,6 +379,16 @@ def paired_difference(results: list[dict], a: str, b: str, key: str = "validity"
     return t_interval([final[(a, s)] - final[(b, s)] for s in shared])
 
 
+def start_results(results: list[dict], name: str = "SFT") -> list[dict]:
+    """The checkpoint as a pseudo-method: one result per seed whose curve is that seed's starting evaluation.
+
+    Append them to ``results`` to compare a method with where it started, seed by seed:
+    ``paired_difference(results + start_results(results), "GRPO", "SFT")``.
+    """
+    first = {r["seed"]: r["curve"][0] for r in results}
+    return [{"algorithm": name, "seed": s, "curve": [point]} for s, point in first.items()]
+
+
 def curve_band(results: list[dict], algorithm: str, x: str = "samples", y: str = "validity"):
     """One algorithm's learning curve over seeds: ``x`` (mean over seeds), ``y``'s mean and 95% half-width.
 
@@ -352,15 +405,19 @@ def curve_band(results: list[dict], algorithm: str, x: str = "samples", y: str =
 
 
 def summary(results: list[dict]) -> list[dict]:
-    """One row per algorithm: final metrics as (mean, 95% half-width) over seeds, costs."""
+    """One row per algorithm: every final metric of the curve as (mean, 95% half-width) over seeds, costs.
+
+    Works on :func:`start_results` too (the checkpoint's row, without costs)."""
     rows = []
     for algorithm in dict.fromkeys(r["algorithm"] for r in results):
         runs = [r for r in results if r["algorithm"] == algorithm]
         final = [r["curve"][-1] for r in runs]
-        row = {"algorithm": algorithm, "seeds": len(runs), "models_held": runs[0]["models_held"]}
-        for key in ("validity", "kl", "distinct", "seconds"):
-            row[key] = t_interval([f[key] for f in final])
-        row["completions_per_second"] = float(np.mean([r["completions_per_second"] for r in runs]))
+        row = {"algorithm": algorithm, "seeds": len(runs), "models_held": runs[0].get("models_held")}
+        for key in final[0]:
+            if key not in ("samples", "samples_per_target"):
+                row[key] = t_interval([f[key] for f in final])
+        if "completions_per_second" in runs[0]:
+            row["completions_per_second"] = float(np.mean([r["completions_per_second"] for r in runs]))
         if "peak_memory_mb" in runs[0]:
             row["peak_memory_mb"] = float(np.max([r["peak_memory_mb"] for r in runs]))
         rows.append(row)

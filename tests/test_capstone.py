@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import rlcourse  # noqa: F401  (before torch)
-from rlcourse.capstone import (ALGORITHMS, MODELS_HELD, CapstoneConfig, curve_band, interval_above,
-                               intervals_separate, run, summary, t_interval)
+from rlcourse.capstone import (ALGORITHMS, MODELS_HELD, CapstoneConfig, curve_band, evaluate_start, interval_above,
+                               intervals_separate, paired_difference, run, start_results, summary, t_interval)
 
 
 @pytest.mark.parametrize("n, t", [(2, 12.706), (3, 4.303), (4, 3.182), (5, 2.776), (6, 2.571), (11, 2.228)])
@@ -48,7 +48,7 @@ def test_intervals_separate_is_strict_and_symmetric():
 
 
 def test_run_returns_a_well_formed_curve_and_compare_helpers_read_it():
-    cfg = CapstoneConfig(budget=192, eval_points=2)
+    cfg = CapstoneConfig(budget=192, eval_points=2, final_samples_per_target=8, pass_k=(1, 4, 8, 16))
     results = [run(a, s, cfg) for a in ("RLOO", "DPO") for s in (0, 1)]
     for r in results:
         curve = r["curve"]
@@ -56,18 +56,40 @@ def test_run_returns_a_well_formed_curve_and_compare_helpers_read_it():
         assert curve[-1]["samples"] == cfg.budget
         assert all(b["samples"] > a["samples"] and b["seconds"] > a["seconds"] for a, b in zip(curve, curve[1:]))
         for point in curve:
-            assert 0.0 <= point["validity"] <= 1.0 and 0.0 <= point["distinct"] <= cfg.eval_samples_per_target
-            assert np.isfinite(point["kl"])
+            n = point["samples_per_target"]
+            assert 0.0 <= point["validity"] <= 1.0 and 0.0 <= point["distinct"] <= n
+            assert np.isfinite(point["kl"]) and 0.0 < point["distinct_among_valid"] <= 1.0
+            # pass@1 is the validity of the same samples; pass@k grows with k, for every k <= n
+            passes = [point[f"pass@{k}"] for k in cfg.pass_k if k <= n]
+            assert passes[0] == pytest.approx(point["validity"]) and passes == sorted(passes)
+            assert [k for k in cfg.pass_k if f"pass@{k}" in point] == [k for k in cfg.pass_k if k <= n]
+        # the first and last evaluations draw more samples per target than the ones along the way
+        assert [p["samples_per_target"] for p in curve] == (
+            [8, 4, 8] if r["algorithm"] == "RLOO" else [8, 8])
         assert r["models_held"] == MODELS_HELD[r["algorithm"]] and r["parameters"] > 0
         assert r["completions_per_second"] > 0
     assert [len(r["curve"]) for r in results] == [3, 3, 2, 2]  # DPO is offline: start and end only
     # the same seed evaluates the same starting model identically
     assert results[0]["curve"][0] == results[2]["curve"][0]
     x, mean, half = curve_band(results, "RLOO")
-    assert list(x) == [0, 128, 192]  # the first batch that reaches half the budget and len(mean) == len(half) == 3 and (half >= 0).all()
+    assert list(x) == [0, 128, 192]  # 128: the first batch that reaches half the budget
+    assert len(mean) == len(half) == 3 and (half >= 0).all()
     rows = summary(results)
     assert [row["algorithm"] for row in rows] == ["RLOO", "DPO"] and rows[0]["seeds"] == 2
     assert rows[0]["validity"] == pytest.approx(t_interval([r["curve"][-1]["validity"] for r in results[:2]]))
+    assert rows[0]["pass@8"] == pytest.approx(t_interval([r["curve"][-1]["pass@8"] for r in results[:2]]))
+    assert "pass@16" not in rows[0]            # more than the 8 samples per target: not reported
+    # the checkpoint as a pseudo-method: one start per seed, compared seed by seed
+    starts = start_results(results)
+    assert [(r["algorithm"], r["seed"]) for r in starts] == [("SFT", 0), ("SFT", 1)]
+    assert starts[1]["curve"] == [results[1]["curve"][0]]
+    d = [results[i]["curve"][-1]["validity"] - results[i]["curve"][0]["validity"] for i in (0, 1)]
+    assert paired_difference(results + starts, "RLOO", "SFT") == pytest.approx(t_interval(d))
+    assert summary(starts)[0]["kl"] == pytest.approx((0.0, 0.0), abs=1e-6)
+    # a start evaluated once and handed to run() is the start run() makes itself; training is unchanged
+    shared = run("RLOO", 1, cfg, start=evaluate_start(1, cfg))
+    assert shared["curve"][0] == {"samples": 0, "seconds": 0.0, **evaluate_start(1, cfg)} == results[1]["curve"][0]
+    assert [p["validity"] for p in shared["curve"]] == [p["validity"] for p in results[1]["curve"]]
 
 
 def test_bad_algorithm_or_budget_raises_naming_the_argument():

@@ -1,0 +1,67 @@
+"""How much of the answer space a sampled policy covers: pass@k and the share of distinct valid answers.
+
+Validity (pass@1) asks how often one sample is right. Two other questions matter once a task has
+many right answers:
+
+* **pass@k**: is *at least one* of k samples right? The unbiased estimator of Chen et al. 2021
+  ("Evaluating Large Language Models Trained on Code", arXiv:2107.03374) draws n >= k samples of
+  which c are right and averages over all k-subsets of them: ``1 - C(n-c, k) / C(n, k)``.
+  It is unbiased for ``1 - (1-p)^k`` whatever the per-prompt success rate p, and uses all n
+  samples, where "draw exactly k and check" would throw information away.
+* **distinct among valid**: of the valid answers given, the fraction that are different. A policy
+  that repeats one right answer scores 1/c, one whose c right answers all differ scores 1. Unlike
+  "the number of distinct valid answers" it is not capped by validity: a half-valid policy and a
+  fully valid one can both score 1.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+__all__ = ["pass_at_k", "coverage"]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` are right: ``1 - C(n-c, k) / C(n, k)``.
+
+    The probability that a k-subset drawn uniformly without replacement from the n samples holds at
+    least one right one (Chen et al. 2021, arXiv:2107.03374, eq. 1). Its expectation over the n
+    samples is ``1 - (1-p)^k`` for a success rate p. Computed with exact integers; ``k = 1`` gives
+    ``c / n`` and ``n - c < k`` gives 1 (every k-subset holds a right sample).
+    """
+    for name, value in (("n", n), ("c", c), ("k", k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def coverage(prompts: list[str], completions: list[str], valid: list[bool], ks=(1,)) -> dict:
+    """pass@k (for each k in ``ks``, mean over prompts) and the distinct-among-valid share of a sample.
+
+    Every distinct prompt must appear the same number n of times (n samples each) with n >= max(ks).
+    Returns ``{"pass@k": ..., "distinct_among_valid": ..., "valid_answers": ...}``, where
+    ``distinct_among_valid`` is the total number of different valid answers (counted per prompt)
+    over the total number of valid answers, and NaN when no answer is valid.
+    """
+    if not len(prompts) == len(completions) == len(valid):
+        raise ValueError(f"prompts, completions and valid must have one entry each, got "
+                         f"{len(prompts)}, {len(completions)}, {len(valid)}")
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    right: dict[str, list[str]] = defaultdict(list)
+    count: dict[str, int] = defaultdict(int)
+    for p, c, ok in zip(prompts, completions, valid):
+        count[p] += 1
+        if ok:
+            right[p].append(c)
+    sizes = set(count.values())
+    if len(sizes) != 1:
+        raise ValueError(f"every prompt needs the same number of samples, got counts {sorted(sizes)}")
+    n = sizes.pop()
+    out = {f"pass@{k}": sum(pass_at_k(n, len(right[p]), k) for p in count) / len(count) for k in ks}
+    n_valid = sum(len(v) for v in right.values())
+    out["distinct_among_valid"] = (sum(len(set(v)) for v in right.values()) / n_valid) if n_valid else math.nan
+    out["valid_answers"] = n_valid
+    return out
