@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from rlcourse.kl import exact_kl
+from rlcourse.regularised_optimum import kl_regularised_optimum
 from rlcourse.losses.dpo import _check_beta, preference_loss
 
 __all__ = ["CategoricalBandit", "train_tabular_policy"]
@@ -79,7 +80,8 @@ class CategoricalBandit:
 
     def optimal_logprobs(self, beta: float) -> torch.Tensor:
         """``log pi*(y|x) = log pi_ref(y|x) + r(x, y) / beta - log Z(x)``, shape (P, K)."""
-        return self.ref_logprobs + self.reward / beta - self.log_partition(beta)[:, None]
+        _check_beta(beta)
+        return kl_regularised_optimum(self.ref_logprobs, self.reward, beta)
 
     def objective(self, logprobs, beta: float) -> torch.Tensor:
         """``E_{y~pi}[r] - beta KL(pi || pi_ref)`` for each prompt, shape (P,)."""

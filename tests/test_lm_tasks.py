@@ -2,6 +2,8 @@
 import rlcourse  # noqa: F401  (before torch)
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -106,3 +108,19 @@ def test_preference_pairs_follow_bradley_terry():
         expected += 1 / (1 + math.exp(-task.beta * abs(gc - gr))) if gc != gr else 0.5
     assert abs(agree / len(pairs) - expected / len(pairs)) < 0.03
     assert 0.6 < agree / len(pairs) < 0.95                   # informative, yet noisy
+
+
+def test_length_biased_raters_rate_by_gold_plus_a_bonus_per_letter():
+    task = PreferenceTask(length_bias=0.35)
+    assert task.rater_utility("ab:", "abab") == pytest.approx(task.gold_score("ab:", "abab") + 4 * 0.35)
+    # a closer 4-letter word against a 7-letter word of the same letters: gold prefers 4, the raters 7
+    assert task.gold_score("ab:", "abab") > task.gold_score("ab:", "abababa")
+    assert task.preference_probability("ab:", "abababa", "abab") > 0.5
+    assert PreferenceTask().preference_probability("ab:", "abababa", "abab") < 0.5
+    # their labels lean long: the chosen word is longer than the rejected one more often than not
+    pairs = task.preference_pairs(2000, rng=0)
+    longer = np.mean([len(p["chosen"]) > len(p["rejected"]) for p in pairs])
+    unbiased = np.mean([len(p["chosen"]) > len(p["rejected"]) for p in PreferenceTask().preference_pairs(2000, rng=0)])
+    assert longer > unbiased + 0.1, (longer, unbiased)
+    with pytest.raises(ValueError, match="length_bias"):
+        PreferenceTask(length_bias=float("nan"))

@@ -11,7 +11,7 @@ import torch
 
 from rlcourse.lm import PreferenceTask, load_checkpoint
 from rlcourse.lm.preference import LETTERS
-from rlcourse.lm.bayes_limit import bayes_accuracy, gold_score_distribution
+from rlcourse.lm.bayes_limit import bayes_accuracy, gold_score_distribution, rater_utility_distribution
 from rlcourse.lm.reward_model import (ScalarHeadModel, encode_completions, last_real_index,
                                       score_at_last_token, score_completions, train_reward_model)
 from rlcourse.lm.sampling import encode_prompts
@@ -129,28 +129,34 @@ def test_bradley_terry_matches_trls_reward_trainer(sft, tmp_path):
     assert reward_model_metrics(chosen, rejected) == pytest.approx(trl_metrics, abs=1e-5)
 
 
-def test_gold_distribution_and_bayes_limit_by_brute_force():
+@pytest.mark.parametrize("length_bias", [0.0, 0.3])
+def test_gold_distribution_and_bayes_limit_by_brute_force(length_bias):
     """A small task where every word is enumerable: the exact formula equals the pair-by-pair sum."""
-    task = PreferenceTask(target_length=2, max_length=3, beta=3.0)
+    task = PreferenceTask(target_length=2, max_length=3, beta=3.0, length_bias=length_bias)
     words = ["".join(w) for n in range(1, 4) for w in itertools.product(LETTERS, repeat=n)]
     prob = np.array([1 / 3 * 8.0 ** -len(w) for w in words])
     per_prompt = []
     for prompt in task.test_prompts(64):
         gold = np.array([task.gold_score(prompt, w) for w in words])
+        utility = np.array([task.rater_utility(prompt, w) for w in words])
         g, q = gold_score_distribution(task, prompt)
         assert q.sum() == pytest.approx(1.0)
         assert (q * g).sum() == pytest.approx((prob * gold).sum(), abs=1e-12)
-        best = 1 / (1 + np.exp(-task.beta * np.abs(gold[:, None] - gold[None, :])))
+        u, qu = rater_utility_distribution(task, prompt)
+        assert (qu * u).sum() == pytest.approx((prob * utility).sum(), abs=1e-12)
+        assert (qu * u ** 2).sum() == pytest.approx((prob * utility ** 2).sum(), abs=1e-12)
+        best = 1 / (1 + np.exp(-task.beta * np.abs(utility[:, None] - utility[None, :])))
         pair = np.outer(prob, prob)
         np.fill_diagonal(pair, 0.0)   # the task redraws b when it equals a
         per_prompt.append((pair * best).sum() / pair.sum())
     assert bayes_accuracy(task) == pytest.approx(np.mean(per_prompt), abs=1e-12)
 
 
-def test_bayes_limit_matches_the_gold_ranker_on_sampled_pairs():
-    task = PreferenceTask()
+@pytest.mark.parametrize("length_bias", [0.0, 0.35])
+def test_bayes_limit_matches_the_raters_own_ranker_on_sampled_pairs(length_bias):
+    task = PreferenceTask(length_bias=length_bias)
     pairs = task.preference_pairs(12000, rng=3)
-    d = np.array([task.gold_score(p["prompt"], p["chosen"]) - task.gold_score(p["prompt"], p["rejected"])
+    d = np.array([task.rater_utility(p["prompt"], p["chosen"]) - task.rater_utility(p["prompt"], p["rejected"])
                   for p in pairs])
     acc = np.where(d > 1e-12, 1.0, np.where(d < -1e-12, 0.0, 0.5))
     assert abs(acc.mean() - bayes_accuracy(task)) < 4 * acc.std() / math.sqrt(len(acc))

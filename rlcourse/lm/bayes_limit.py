@@ -15,7 +15,9 @@ convolving the distance distribution of one letter ``L`` times. With ``q`` that 
 
     Bayes = ( sum_{g, g'} q(g) q(g') sigmoid(beta |g - g'|) - C / 2 ) / (1 - C),
 
-averaged over the 64 prompts. No sampling anywhere.
+averaged over the 64 prompts. No sampling anywhere. Raters with a ``length_bias`` ``b`` rate by
+``gold + b L`` instead: the same formula holds with that utility in place of the gold score (the
+best predictor of a rater is the rater's own utility, whatever the gold score thinks).
 """
 from __future__ import annotations
 
@@ -23,24 +25,19 @@ import numpy as np
 
 from rlcourse.lm.preference import LETTERS
 
-__all__ = ["gold_score_distribution", "bayes_accuracy"]
+__all__ = ["gold_score_distribution", "rater_utility_distribution", "bayes_accuracy"]
 
 
 def gold_score_distribution(task, prompt: str) -> tuple[np.ndarray, np.ndarray]:
     """``(scores, probabilities)``: the exact law of ``gold(prompt, y)`` for a base-policy word ``y``."""
-    anchors = task._letters(prompt)
-    span = len(LETTERS) - 1
-    distance = np.zeros(span + 1)
-    for letter in range(len(LETTERS)):
-        distance[min(abs(letter - a) for a in anchors)] += 1.0 / len(LETTERS)
-    scores, probs = [], []
-    law = np.array([1.0])  # law of the summed distance S over L letters (L = 0 to start)
-    for length in range(1, task.max_length + 1):
-        law = np.convolve(law, distance)
-        total = np.arange(law.size)
-        scores.append(1 - total / (span * length) - 0.25 * abs(length - task.target_length))
-        probs.append(law / task.max_length)
-    return np.concatenate(scores), np.concatenate(probs)
+    _, gold, probs = task.word_classes(prompt)
+    return gold, probs
+
+
+def rater_utility_distribution(task, prompt: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(utilities, probabilities)``: the exact law of ``task.rater_utility(prompt, y)`` for a base-policy word."""
+    lengths, gold, probs = task.word_classes(prompt)
+    return gold + task.length_bias * lengths, probs
 
 
 def bayes_accuracy(task) -> float:
@@ -49,7 +46,7 @@ def bayes_accuracy(task) -> float:
     collision = sum((1.0 / n_lengths) ** 2 * float(n_letters) ** -length for length in range(1, n_lengths + 1))
     accuracies = []
     for prompt in task.test_prompts(64):
-        g, q = gold_score_distribution(task, prompt)
+        g, q = rater_utility_distribution(task, prompt)
         best = 1.0 / (1.0 + np.exp(-task.beta * np.abs(g[:, None] - g[None, :])))
         accuracies.append((q @ best @ q - collision / 2) / (1 - collision))
     return float(np.mean(accuracies))
