@@ -55,8 +55,9 @@ class PolicyGradientConfig:
       get exactly 0 advantage here;
     * ``advantage_estimator``, ``baseline_decay``, ``kl_in_reward``, ``dynamic_sampling`` and
       ``max_num_gen_batches`` are ours: TRL picks the estimator by trainer class (GRPOTrainer:
-      ``grpo``, RLOOTrainer: ``rloo`` with ``kl_in_reward=True`` and ``loss_type="rloo"``), and has
-      no dynamic sampling.
+      ``grpo``; RLOOTrainer: ``rloo`` with the KL in the reward and its one loss, which rlcourse
+      names ``loss_type="rloo"``: TRL 1.16's ``RLOOConfig`` has no ``loss_type`` field), and has no
+      dynamic sampling.
 
     ``kl_in_reward`` (with ``beta > 0``) is TRL's RLOOTrainer's penalty: each completion's reward
     becomes ``r - beta * sum_t (log pi_old(y_t) - log pi_ref(y_t))``, the k1 estimator summed over
@@ -75,7 +76,7 @@ class PolicyGradientConfig:
     every completion drawn in the step. ``max_num_gen_batches=1`` only drops (the batch shrinks).
 
     ``loss_type`` is one of ``grpo, bnpo, dr_grpo, dapo, cispo, sapo`` (TRL's default ``dapo``) or
-    ``rloo`` (RLOOTrainer's loss: PPO-clip on the whole-sequence ratio).
+    ``rloo`` (rlcourse's name for RLOOTrainer's only loss: PPO-clip on the whole-sequence ratio).
 
     Several seeds of one configuration advance together in
     :class:`rlcourse.lm.seed_batched.SeedBatchedPolicyGradientTrainer` (``num_seeds`` or ``seeds`` there).
