@@ -77,7 +77,7 @@ class CapstoneConfig:
     learning_rate: float = 6e-4
     eval_points: int = 4            # evaluations along the way (plus one before training)
     eval_samples_per_target: int = 4    # samples per target at the evaluations along the way
-    final_samples_per_target: int = 4   # ... before training and after the whole budget (lesson 12: 16)
+    final_samples_per_target: int = 4   # ... before training and after the budget (lesson 12: 16, ci 8)
     pass_k: tuple = (1, 4, 16)      # pass@k reported for each k <= the samples per target
     checkpoint: str = "digitsum-sft"
 
