@@ -14,6 +14,7 @@ import torch
 
 from rlcourse.grading._core import assert_close, call_unmutated, fail, passed, references, to_numpy
 from rlcourse.grading.lesson07b import kept_float64
+from rlcourse.kl import exact_kl
 from rlcourse.lm.overoptimisation import audit_labels
 from rlcourse.regularised_optimum import kl_regularised_optimum
 
@@ -79,9 +80,7 @@ def _optimum_stats(ref_probs, gold, proxy, kl_coef):
     """The reference answer of :func:`check_optimum_stats`: ``(KL(pi* || pi_ref), E_{pi*}[gold])``."""
     ref_probs, gold, proxy = (torch.as_tensor(x, dtype=torch.float64) for x in (ref_probs, gold, proxy))
     logp = kl_regularised_optimum(ref_probs.log(), proxy, kl_coef)
-    p = logp.exp()
-    real = p > 0
-    return float((p[real] * (logp[real] - ref_probs[real].log())).sum()), float(p @ gold)
+    return float(exact_kl(logp, ref_probs.log())), float(logp.exp() @ gold)
 
 
 @references("rlcourse.lm.overoptimisation:optimum_curve")

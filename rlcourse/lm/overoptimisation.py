@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rlcourse.kl import exact_kl
 from rlcourse.regularised_optimum import kl_regularised_optimum
 
 __all__ = ["audit_labels", "optimum_curve"]
@@ -45,7 +46,7 @@ def optimum_curve(task, kl_coefs, length_bias: float | None = None, prompts=None
             proxy = task.beta * (gold + bias * lengths)
             logp = kl_regularised_optimum(ref, proxy, float(coef))
             p = logp.exp()
-            stats.append([float((p * (logp - ref)).sum()), float(p @ gold), float(p @ proxy), float(p @ lengths)])
+            stats.append([float(exact_kl(logp, ref)), float(p @ gold), float(p @ proxy), float(p @ lengths)])
         kl, gold, proxy, length = np.mean(stats, axis=0)
         rows.append({"kl_coef": float(coef), "kl": kl, "gold": gold, "proxy": proxy, "length": length})
     return rows
