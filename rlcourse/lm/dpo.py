@@ -29,7 +29,8 @@ import torch
 from tqdm.auto import tqdm
 
 from rlcourse.kl import exact_kl
-from rlcourse.losses.dpo import LOSS_TYPES, dpo_implicit_reward, preference_loss
+from rlcourse.losses.beyond_dpo import ALL_PREFERENCE_LOSS_TYPES, REFERENCE_FREE_LOSS_TYPES, preference_objective
+from rlcourse.losses.dpo import dpo_implicit_reward
 from rlcourse.lm.logprobs import next_token_logprobs, sequence_logprobs
 from rlcourse.lm.model import frozen_copy
 from rlcourse.lm.reward_model import encode_preference_pairs
@@ -44,8 +45,10 @@ __all__ = ["DPOConfig", "check_preference_pairs", "select_pairs", "pair_token_lo
 class DPOConfig:
     """Settings named as TRL's ``DPOConfig``; defaults are TRL 1.16's except where noted.
 
-    * ``beta`` (0.1): strength of the KL regularisation, the inverse temperature of the implicit reward.
-    * ``loss_type`` ("sigmoid"): one of ``sigmoid``, ``hinge``, ``ipo``, ``robust``, ``sft`` or a list.
+    * ``beta`` (0.1): strength of the KL regularisation, the inverse temperature of the implicit reward
+      (SimPO's ``beta``, ORPO's ``lambda``, KTO's ``beta``).
+    * ``loss_type`` ("sigmoid"): one of ``sigmoid``, ``hinge``, ``ipo``, ``robust``, ``sft``, ``simpo``,
+      ``orpo``, ``kto`` (:mod:`rlcourse.losses.beyond_dpo`), or a list.
     * ``loss_weights`` (None = 1 each): one weight per loss type, e.g. ``["sigmoid", "sft"], [1, 1]``.
     * ``label_smoothing`` (0): the assumed label-flip rate of the ``robust`` loss.
     * ``learning_rate``: **1e-4** here, TRL's default is 1e-6 (for billion-parameter models; a
@@ -54,6 +57,10 @@ class DPOConfig:
       ``max_grad_norm`` (1.0), ``weight_decay`` (0.0), ``lr_scheduler_type`` ("linear" or "constant"),
       ``precompute_ref_log_probs`` (False), ``seed`` (42), ``logging_steps`` (bar refresh only:
       every step is recorded).
+    * Lesson 11b (:func:`rlcourse.losses.beyond_dpo.preference_objective`): ``simpo_gamma`` (0.5, TRL's
+      ``CPOConfig``), ``rdpo_alpha`` (0: R-DPO's length penalty on ``sigmoid``; not a TRL option),
+      ``desirable_weight`` and ``undesirable_weight`` (1, TRL's ``KTOConfig``). Losses that never read
+      the reference (``simpo``, ``orpo``, ``sft``) keep no reference copy and compute no reference log-probs.
     """
 
     beta: float = 0.1
@@ -70,13 +77,18 @@ class DPOConfig:
     precompute_ref_log_probs: bool = False
     seed: int = 42
     logging_steps: int = 10
+    # lesson 11b: SimPO's target margin, R-DPO's length penalty, KTO's weights
+    simpo_gamma: float = 0.5
+    rdpo_alpha: float = 0.0
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
     loss_types: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
         self.loss_types = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
         for t in self.loss_types:
-            if t not in LOSS_TYPES:
-                raise ValueError(f"loss_type must be one of {LOSS_TYPES} (or a list of them), got {t!r}")
+            if t not in ALL_PREFERENCE_LOSS_TYPES:
+                raise ValueError(f"loss_type must be one of {ALL_PREFERENCE_LOSS_TYPES} (or a list of them), got {t!r}")
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_types):
             raise ValueError(f"loss_weights must have one weight per loss type ({len(self.loss_types)}), "
                              f"got {self.loss_weights!r}")
@@ -153,16 +165,21 @@ def lr_factor(args: DPOConfig, step: int, steps: int) -> float:
 
 def batch_loss(args: DPOConfig, chosen_tok: torch.Tensor, rejected_tok: torch.Tensor, completion_mask: torch.Tensor,
                ref_chosen: torch.Tensor, ref_rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One batch's DPO loss (:func:`rlcourse.losses.dpo.preference_loss` with ``args``' settings), and the
+    """One batch's loss (:func:`rlcourse.losses.beyond_dpo.preference_objective` with ``args``' settings), and the
     chosen and rejected sequence log-probs it used. ``completion_mask`` is the batch's, chosen rows first."""
     chosen_mask, rejected_mask = completion_mask.chunk(2, dim=0)
     chosen_logps, rejected_logps = chosen_tok.sum(-1), rejected_tok.sum(-1)
-    loss = preference_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, beta=args.beta,
-                           loss_type=args.loss_types, loss_weights=args.loss_weights,
-                           label_smoothing=args.label_smoothing,
-                           chosen_lengths=chosen_mask.sum(1), rejected_lengths=rejected_mask.sum(1),
-                           chosen_token_logps=chosen_tok, chosen_mask=chosen_mask)
+    loss = preference_objective(chosen_tok, rejected_tok, chosen_mask, rejected_mask, ref_chosen, ref_rejected,
+                                beta=args.beta, loss_type=args.loss_types, loss_weights=args.loss_weights,
+                                label_smoothing=args.label_smoothing, simpo_gamma=args.simpo_gamma,
+                                rdpo_alpha=args.rdpo_alpha, desirable_weight=args.desirable_weight,
+                                undesirable_weight=args.undesirable_weight)
     return loss, chosen_logps, rejected_logps
+
+
+def reference_free(args: DPOConfig) -> bool:
+    """Whether every loss of ``args`` ignores the reference model (SimPO, ORPO, SFT)."""
+    return all(t in REFERENCE_FREE_LOSS_TYPES for t in args.loss_types)
 
 
 @torch.no_grad()
@@ -195,11 +212,16 @@ def train_dpo(model, tokenizer, pairs: list[dict], args: DPOConfig | None = None
     n = len(pairs)
     bs = args.per_device_train_batch_size
     steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * math.ceil(n / bs))
-    if ref_model is None:
+    no_reference = reference_free(args)
+    if no_reference:   # SimPO, ORPO: no reference copy, no reference forward; its log-probs enter no loss
+        ref_model = None
+        ref_table = tuple(torch.zeros(n, device=dev) for _ in range(2))
+    elif ref_model is None:
         ref_model = frozen_copy(model)
-    ref_model.eval()  # its forwards run under no_grad
-    ref_table = None
-    if args.precompute_ref_log_probs:
+    if ref_model is not None:
+        ref_model.eval()  # its forwards run under no_grad
+        ref_table = None
+    if args.precompute_ref_log_probs and not no_reference:
         ref_table = _reference_logps(ref_model, data, max(bs, 64))
         ref_model = None  # not needed any more: free the copy
 

@@ -34,11 +34,13 @@ from rlcourse.lm.model import frozen_copy
 from rlcourse.lm.logprobs import completion_logits, token_logprobs_from_logits
 from rlcourse.lm.sampling import sample
 from rlcourse.losses import masked_mean
+from rlcourse.losses.off_policy import (SAMPLER_IS_MODES, check_sampler_logprobs, off_policy_sequence_mask,
+                                        sampler_importance_weights)
 from rlcourse.losses.grpo import (LOSS_TYPES, aggregate_loss, batch_mean_advantages, clip_fractions,
                                   group_advantages, importance_weights, leave_one_out_advantages,
                                   moving_average_baseline, per_token_loss, rloo_loss)
 
-__all__ = ["PolicyGradientConfig", "PolicyGradientTrainer", "ADVANTAGE_ESTIMATORS", "advantages",
+__all__ = ["PolicyGradientConfig", "PolicyGradientTrainer", "ADVANTAGE_ESTIMATORS", "advantages", "attach_sampler_logprobs",
            "checked_rewards", "logits_and_logprobs", "loss_and_stats", "draw_metrics"]
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "batch_mean", "moving_average")
@@ -107,6 +109,19 @@ class PolicyGradientConfig:
     dynamic_sampling: bool = False
     max_num_gen_batches: int = 4
     max_grad_norm: float | None = 1.0
+    # Off-policy correction (lesson 10c, rlcourse.losses.off_policy), TRL's names; used only when the
+    # trainer is given a ``sampler`` (its own log-probs then differ from the trainer's).
+    vllm_importance_sampling_correction: bool = False
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    off_policy_mask_threshold: float | None = None
+    # Verifiable rewards (lesson 10b, rlcourse.losses.rlvr): TRL's entropy knobs (defaults TRL's: off)
+    # and DAPO's soft overlong punishment (verl's overlong_buffer; TRL's get_soft_overlong_punishment).
+    entropy_coef: float = 0.0
+    top_entropy_quantile: float = 1.0
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
 
     def __post_init__(self):
         if self.loss_type not in (*LOSS_TYPES, "rloo"):
@@ -136,6 +151,19 @@ class PolicyGradientConfig:
                 or self.max_num_gen_batches < 1):
             raise ValueError(f"max_num_gen_batches must be an integer >= 1 (a cap on generation batches per "
                              f"step; there is no 'unlimited'), got {self.max_num_gen_batches!r}")
+        if self.vllm_importance_sampling_mode not in SAMPLER_IS_MODES:
+            raise ValueError(f"vllm_importance_sampling_mode must be one of {SAMPLER_IS_MODES}, "
+                             f"got {self.vllm_importance_sampling_mode!r}")
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
+            raise ValueError(f"off_policy_mask_threshold must be None or >= 0, got {self.off_policy_mask_threshold!r}")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0 or (
+                self.loss_type == "rloo" and (self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0)):
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], and with loss_type='rloo' (a loss per sequence) "
+                             f"top_entropy_quantile=1 and entropy_coef=0; got {self.top_entropy_quantile!r}, "
+                             f"{self.entropy_coef!r}")
+        if not (isinstance(self.overlong_buffer_len, int) and self.overlong_buffer_len >= 0 and self.overlong_penalty_factor >= 0):
+            raise ValueError(f"overlong_buffer_len must be an integer >= 0 and overlong_penalty_factor >= 0, got "
+                             f"{self.overlong_buffer_len!r}, {self.overlong_penalty_factor!r}")
         if self.dynamic_sampling and self.num_generations < 2:
             raise ValueError("dynamic_sampling needs num_generations >= 2: a group of one completion always "
                              "has all-equal rewards, so every group would be dropped")
@@ -180,6 +208,8 @@ class _Batch:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     metrics: dict = field(default_factory=dict)
+    sampler_logprobs: torch.Tensor | None = None   # off-policy (lesson 10c): the sampler's log-probs
+    is_weights: torch.Tensor | None = None         # and TRL's importance_sampling_ratio from them
 
     def rows(self, rows: slice) -> "_Batch":
         """The same batch restricted to ``rows`` (one seed's block of a seed-batched batch)."""
@@ -192,6 +222,26 @@ def logits_and_logprobs(model, b: _Batch, temperature: float) -> tuple[torch.Ten
     logits = completion_logits(model, b.prompt_ids, b.completion_ids, b.prompt_mask, b.loss_mask)
     logp = token_logprobs_from_logits(logits, b.completion_ids, temperature)
     return logits, logp * b.loss_mask.to(logp.dtype)
+
+
+def attach_sampler_logprobs(config: PolicyGradientConfig, model, b: _Batch, sampler_logprobs) -> None:
+    """The off-policy path (lesson 10c): store the sampler's per-token log-probs in ``b``, score the
+    completions with the trainer's ``model`` as ``pi_old`` (TRL always does when a sampler is used),
+    and, with ``vllm_importance_sampling_correction``, TRL's weights ``pi_old / mu``
+    (:func:`rlcourse.losses.off_policy.sampler_importance_weights`). ``sampler_logprobs`` of the
+    wrong shape, or with NaN on a real token, is refused with an error naming it."""
+    c = config
+    if c.loss_type == "rloo" and (c.vllm_importance_sampling_correction or c.off_policy_mask_threshold is not None):
+        raise ValueError("the off-policy corrections apply to the GRPO family's per-token loss, not to loss_type='rloo'")
+    mu = check_sampler_logprobs(sampler_logprobs, b.completion_ids, b.loss_mask).detach()
+    b.sampler_logprobs = mu.to(torch.float32) * b.loss_mask
+    if b.old_logprobs is None:
+        b.old_logprobs = logits_and_logprobs(model, b, c.temperature)[1]
+    if c.vllm_importance_sampling_correction:
+        b.is_weights = sampler_importance_weights(b.old_logprobs, b.sampler_logprobs, b.loss_mask,
+                                                  c.vllm_importance_sampling_mode,
+                                                  c.vllm_importance_sampling_clip_min,
+                                                  c.vllm_importance_sampling_clip_max)
 
 
 def loss_and_stats(config: PolicyGradientConfig, logits: torch.Tensor, logp: torch.Tensor, b: _Batch,
@@ -213,7 +263,25 @@ def loss_and_stats(config: PolicyGradientConfig, logits: torch.Tensor, logp: tor
         per_token = per_token_loss(logp, old, b.advantages, mask, c.loss_type, c.epsilon, c.epsilon_high,
                                    c.importance_sampling_level, beta, b.ref_logprobs, c.sapo_temperature_pos,
                                    c.sapo_temperature_neg, c.use_bias_correction_kl)
+        if b.is_weights is not None or c.off_policy_mask_threshold is not None:
+            # Off-policy (lesson 10c), in TRL's order: the policy term times the sequence mask and the
+            # sampler's importance weight; the KL term (beta > 0) is added after, unweighted.
+            policy_term = per_token if beta == 0 else per_token_loss(
+                logp, old, b.advantages, mask, c.loss_type, c.epsilon, c.epsilon_high, c.importance_sampling_level,
+                0.0, None, c.sapo_temperature_pos, c.sapo_temperature_neg, c.use_bias_correction_kl)
+            kl_term = per_token - policy_term
+            if c.off_policy_mask_threshold is not None:
+                mu = b.sampler_logprobs if b.sampler_logprobs is not None else old
+                policy_term = policy_term * off_policy_sequence_mask(b.advantages, logp, mu, mask,
+                                                                     c.off_policy_mask_threshold).to(logp.dtype)
+            if b.is_weights is not None:
+                policy_term = policy_term * b.is_weights
+            per_token = policy_term + kl_term
+        if c.top_entropy_quantile < 1.0 or c.entropy_coef != 0.0:
+            per_token, entropy_term = _entropy_terms(c, logits, logp, old, b, per_token, beta)
         loss = aggregate_loss(per_token, mask, c.loss_type, max_len)
+        if c.entropy_coef != 0.0:
+            loss = loss - c.entropy_coef * entropy_term
         ratio = importance_weights(logp, old, mask, c.importance_sampling_level).detach()
     with torch.no_grad():
         logp_full = torch.log_softmax(logits.float() / c.temperature, dim=-1)
@@ -222,6 +290,41 @@ def loss_and_stats(config: PolicyGradientConfig, logits: torch.Tensor, logp: tor
         if b.ref_logprobs is not None:
             stats["kl"] = float(masked_mean(kl_k3(logp.detach(), b.ref_logprobs), mask.bool()))
     return loss, stats
+
+
+def _entropy_terms(c: PolicyGradientConfig, logits, logp, old, b: _Batch, per_token, beta: float):
+    """Lesson 10b, in TRL's order: keep the policy term only on the top ``top_entropy_quantile`` tokens by
+    entropy (:func:`rlcourse.losses.rlvr.high_entropy_mask`; the KL term stays on every token), and the
+    mean entropy over those tokens that ``entropy_coef`` multiplies (:func:`~rlcourse.losses.rlvr.entropy_bonus`)."""
+    from rlcourse.losses.rlvr import entropy_bonus, high_entropy_mask
+
+    mask = b.loss_mask
+    logp_full = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / c.temperature, dim=-1)
+    entropies = exact_entropy(logp_full)                           # (B, T), with its gradient
+    keep = mask.bool()
+    if c.top_entropy_quantile < 1.0:
+        keep = high_entropy_mask(entropies, mask, c.top_entropy_quantile)
+        kl_term = torch.zeros_like(per_token) if beta == 0 else (
+            per_token_loss(logp, old, b.advantages, mask, c.loss_type, c.epsilon, c.epsilon_high,
+                           c.importance_sampling_level, beta, b.ref_logprobs, c.sapo_temperature_pos,
+                           c.sapo_temperature_neg, c.use_bias_correction_kl)
+            - per_token_loss(logp, old, b.advantages, mask, c.loss_type, c.epsilon, c.epsilon_high,
+                             c.importance_sampling_level, 0.0, None, c.sapo_temperature_pos,
+                             c.sapo_temperature_neg, c.use_bias_correction_kl))
+        per_token = (per_token - kl_term) * keep.to(per_token.dtype) + kl_term
+    return per_token, entropy_bonus(entropies, keep)
+
+
+def overlong_shaped(c: PolicyGradientConfig, roll, rewards: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Lesson 10b: ``rewards + overlong_penalty_factor * overlong_penalty(|y|)`` when ``overlong_buffer_len > 0``
+    (DAPO's soft overlong punishment, :func:`rlcourse.losses.rlvr.overlong_penalty`; ``|y|`` counts ``<eos>``)."""
+    if c.overlong_buffer_len == 0:
+        return rewards
+    from rlcourse.losses.rlvr import overlong_penalty
+
+    lengths = roll.completion_mask.sum(1).cpu()
+    penalty = overlong_penalty(lengths, max_len, min(c.overlong_buffer_len, max_len))
+    return rewards + c.overlong_penalty_factor * penalty.to(rewards.device, rewards.dtype)
 
 
 def draw_metrics(drawn, num_generations: int) -> dict:
@@ -242,10 +345,15 @@ class PolicyGradientTrainer:
     ``task`` has ``prompts(n, rng) -> list[str]``, ``reward(prompts, completions) -> tensor`` and
     ``max_new_tokens`` (every task in :mod:`rlcourse.lm.tasks` does). ``history`` holds one dict of
     metrics per step. ``ref_model`` defaults to a frozen copy of ``model`` when ``beta > 0``.
+
+    ``sampler`` (lesson 10c) replaces :func:`rlcourse.lm.sample` with a function of the same
+    signature whose ``Rollout.logprobs`` are the sampler's own (another copy of the model: bf16,
+    quantised, stale): they become ``sampler_logprobs`` and the config's off-policy settings apply
+    (:func:`attach_sampler_logprobs`).
     """
 
     def __init__(self, model, tokenizer, task, config: PolicyGradientConfig | None = None, ref_model=None,
-                 optimizer: torch.optim.Optimizer | None = None):
+                 optimizer: torch.optim.Optimizer | None = None, sampler=None):
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.config = config or PolicyGradientConfig()
         c = self.config
@@ -260,6 +368,7 @@ class PolicyGradientTrainer:
         self.generator = torch.Generator(device=self.device).manual_seed(c.seed)
         self.baseline: float | None = None
         self.history: list[dict] = []
+        self.sampler = sampler
 
     # ------------------------------------------------------------------ pieces of one step
     def _logits_and_logprobs(self, model, b: _Batch):
@@ -273,9 +382,10 @@ class PolicyGradientTrainer:
         """One generation batch: ``n_prompts`` fresh prompts, ``num_generations`` completions each, scored."""
         c = self.config
         prompts = [p for p in self.task.prompts(n_prompts, self.rng) for _ in range(c.num_generations)]
-        roll = sample(self.model, self.tokenizer, prompts, self.max_len, temperature=c.temperature,
-                      generator=self.generator)
-        return roll, checked_rewards(self.task, prompts, roll.completions, self.device)
+        roll = (self.sampler or sample)(self.model, self.tokenizer, prompts, self.max_len, temperature=c.temperature,
+                                        generator=self.generator)
+        return roll, overlong_shaped(c, roll, checked_rewards(self.task, prompts, roll.completions, self.device),
+                                     self.max_len)
 
     def _sample_groups(self):
         """The step's completions and rewards (refilled by dynamic sampling), and every draw made."""
@@ -310,6 +420,8 @@ class PolicyGradientTrainer:
         b.rewards, b.advantages = shaped, self._advantages(shaped)
         if c.num_iterations > 1:
             b.old_logprobs = self._logits_and_logprobs(self.model, b)[1]
+        if self.sampler is not None:
+            attach_sampler_logprobs(c, self.model, b, roll.logprobs)
         return b
 
     def _loss(self, b: _Batch):

@@ -26,8 +26,9 @@ import torch
 
 from rlcourse.kl import kl_k1
 from rlcourse.lm.fast_gpt2 import supports
-from rlcourse.lm.policy_gradient import (PolicyGradientConfig, _Batch, advantages, checked_rewards, draw_metrics,
-                                         logits_and_logprobs, loss_and_stats)
+from rlcourse.lm.policy_gradient import (PolicyGradientConfig, _Batch, advantages, attach_sampler_logprobs,
+                                         checked_rewards, draw_metrics, logits_and_logprobs, loss_and_stats)
+from rlcourse.lm.policy_gradient import overlong_shaped
 from rlcourse.lm.sampling import sample
 from rlcourse.lm.seed_batch import SeedAdam, seed_model, seed_runs, stack_models
 
@@ -46,7 +47,7 @@ class SeedBatchedPolicyGradientTrainer:
     """
 
     def __init__(self, model, tokenizer, task, config: PolicyGradientConfig | None = None,
-                 num_seeds: int | None = None, seeds: list[int] | None = None):
+                 num_seeds: int | None = None, seeds: list[int] | None = None, sampler=None):
         self.config = c = config or PolicyGradientConfig()
         if c.dynamic_sampling:
             raise ValueError("dynamic_sampling is not seed-batched (each seed would draw a different number of "
@@ -66,6 +67,7 @@ class SeedBatchedPolicyGradientTrainer:
         self.generators = [torch.Generator(device=self.device).manual_seed(s) for s in self.seeds]
         self.baselines: list[float | None] = [None] * len(self.seeds)
         self.history: list[list[dict]] = [[] for _ in self.seeds]
+        self.sampler = sampler   # off-policy (lesson 10c): PolicyGradientTrainer's ``sampler``, on the stacked model
 
     @property
     def num_seeds(self) -> int:
@@ -85,7 +87,7 @@ class SeedBatchedPolicyGradientTrainer:
         n_groups = c.per_device_train_batch_size // c.num_generations
         prompts = [[p for p in self.task.prompts(n_groups, rng) for _ in range(c.num_generations)] for rng in self.rngs]
         size = len(prompts[0])
-        roll = sample(self.model, self.tokenizer, [p for block in prompts for p in block], self.max_len,
+        roll = (self.sampler or sample)(self.model, self.tokenizer, [p for block in prompts for p in block], self.max_len,
                       temperature=c.temperature, generator=self.generators)
         mask = roll.completion_mask
         if c.mask_truncated_completions:
@@ -93,6 +95,7 @@ class SeedBatchedPolicyGradientTrainer:
         b = _Batch(roll.prompt_ids, roll.prompt_mask, roll.completion_ids, mask)
         rewards = torch.cat([checked_rewards(self.task, block, roll.completions[self._rows(s, size)], self.device)
                              for s, block in enumerate(prompts)])
+        rewards = overlong_shaped(c, roll, rewards, self.max_len)   # lesson 10b: DAPO's soft overlong punishment
         metrics = [draw_metrics([(roll.select(self._rows(s, size)), rewards[self._rows(s, size)])], c.num_generations)
                    for s in range(self.num_seeds)]
         if self.ref_model is not None:
@@ -108,6 +111,8 @@ class SeedBatchedPolicyGradientTrainer:
         b.rewards, b.advantages, b.metrics = shaped, torch.cat(per_seed), metrics
         if c.num_iterations > 1:
             b.old_logprobs = logits_and_logprobs(self.model, b, c.temperature)[1]
+        if self.sampler is not None:
+            attach_sampler_logprobs(c, self.model, b, roll.logprobs)
         active = mask.view(self.num_seeds, size, -1).sum((1, 2)).cpu() > 0   # a seed with no real token skips
         return b, active
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from rlcourse.lm.dpo import (HISTORY_KEYS, DPOConfig, _reference_logps, batch_loss, check_preference_pairs,
-                             dpo_metrics, lr_factor, select_pairs)
+                             dpo_metrics, lr_factor, reference_free, select_pairs)
 from rlcourse.lm.fast_gpt2 import supports
 from rlcourse.lm.logprobs import sequence_logprobs
 from rlcourse.lm.model import frozen_copy
@@ -147,11 +147,15 @@ def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | list[DPOConfig] 
     steps = [a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * math.ceil(len(p) / bs))
              for a, p in zip(configs, pairs)]
     # The reference log-probs of every pair, once (what train_dpo does with precompute_ref_log_probs).
+    # Runs whose losses never read the reference (SimPO, ORPO) get zeros and cost no reference forward.
     computed = {}
-    for r, p, d in zip(refs, pairs, data):
+    for r, p, d, a in zip(refs, pairs, data, configs):
+        if reference_free(a):
+            continue
         if (id(r), id(p)) not in computed:
             computed[id(r), id(p)] = _reference_logps(r.eval(), d, max(bs, 64))
-    tables = [computed[id(r), id(p)] for r, p in zip(refs, pairs)]
+    tables = [tuple(torch.zeros(len(p), device=dev) for _ in range(2)) if reference_free(a) else computed[id(r), id(p)]
+              for r, p, a in zip(refs, pairs, configs)]
 
     stack = stack_models(models)
     opt = SeedAdam(stack.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)

@@ -18,8 +18,13 @@ from rlcourse.losses.grpo import *  # noqa: F401,F403
 from rlcourse.losses.grpo import __all__ as _grpo
 from rlcourse.losses.dpo import *  # noqa: F401,F403
 from rlcourse.losses.dpo import __all__ as _dpo
+from rlcourse.losses.off_policy import *  # noqa: F401,F403
+from rlcourse.losses.off_policy import __all__ as _off_policy
 
-__all__ = [*_policy_gradient, *_reward_model, *_grpo, *_dpo]
+__all__ = [*_policy_gradient, *_reward_model, *_grpo, *_dpo, *_off_policy]
+from rlcourse.losses.beyond_dpo import *  # noqa: F401,F403,E402  (lesson 11b: SimPO, ORPO, KTO, R-DPO, online DPO)
+from rlcourse.losses.beyond_dpo import __all__ as _beyond_dpo  # noqa: E402
+__all__ += _beyond_dpo
 # A name exported by two modules would silently mean the later one here (it happened: LOSS_TYPES).
 _twice = {name for name in __all__ if __all__.count(name) > 1}
 if _twice:

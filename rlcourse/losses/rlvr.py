@@ -1,0 +1,84 @@
+"""Pieces of RL on verifiable rewards that are neither an advantage nor a surrogate: length shaping and
+which tokens learn.
+
+* :func:`overlong_penalty` - DAPO's soft overlong punishment (Yu et al., 2025, arXiv 2503.14476,
+  eq. 13), a reward added to each completion by its length;
+* :func:`high_entropy_mask` - the "forking tokens" of Wang et al., 2025 (arXiv 2506.01939): keep only
+  the highest-entropy share of tokens in the policy loss (TRL's ``top_entropy_quantile``);
+* :func:`entropy_bonus` - the mean per-token entropy that TRL's ``entropy_coef`` multiplies.
+
+Shapes: ``entropies`` and ``mask`` are ``(B, T)``, one value per completion token; ``lengths`` is
+``(B,)``. ``tests/test_rlvr_losses.py`` and ``tests/test_trl_parity_rlvr.py`` compare each with TRL 1.16.
+"""
+from __future__ import annotations
+
+import torch
+
+from rlcourse.kl import as_mask
+from rlcourse.returns import check_integer
+
+__all__ = ["overlong_penalty", "high_entropy_mask", "entropy_bonus"]
+
+
+def overlong_penalty(lengths, max_completion_length: int, overlong_buffer_len: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment of each completion, shape ``(B,)``, in ``[-1, 0]``.
+
+    With ``L = max_completion_length``, ``C = overlong_buffer_len`` and ``|y|`` the completion's
+    length in tokens (its ``<eos>`` included, as TRL counts ``completion_ids``)::
+
+        R_length(y) = 0                      if |y| <= L - C
+                    = ((L - C) - |y|) / C    if L - C < |y| <= L
+                    = -1                     if |y| > L
+
+    The penalty grows linearly over the last ``C`` tokens of the budget, so a completion learns
+    that it is running long before it is cut. TRL ships it as a reward function,
+    ``trl.rewards.get_soft_overlong_punishment(max_completion_len=L, soft_punish_cache=C)``; verl
+    calls ``C`` ``overlong_buffer.len``. ``C = 0`` gives 0 up to ``L`` (only a cut completion pays).
+    """
+    L = check_integer("max_completion_length", max_completion_length, 1)
+    C = check_integer("overlong_buffer_len", overlong_buffer_len, 0)
+    if C > L:
+        raise ValueError(f"overlong_buffer_len ({C}) must be <= max_completion_length ({L})")
+    lengths = torch.as_tensor(lengths)
+    if lengths.ndim != 1 or lengths.is_floating_point() or bool((lengths < 0).any()):
+        raise ValueError(f"lengths must be a 1-D tensor of token counts >= 0, got {lengths!r}")
+    lengths = lengths.to(torch.float32)
+    start = float(L - C)
+    inside = (start - lengths) / C if C > 0 else torch.zeros_like(lengths)
+    out = torch.where(lengths <= start, torch.zeros_like(lengths), inside)
+    return torch.where(lengths > L, torch.full_like(lengths, -1.0), out)
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask, top_entropy_quantile: float) -> torch.Tensor:
+    """Which tokens stay in the policy loss: the top ``rho = top_entropy_quantile`` share by entropy.
+
+    ``keep_t = m_t  and  H_t >= q``, with ``q`` the ``(1 - rho)``-quantile of ``{H_t : m_t = 1}`` (linear
+    interpolation, ``torch.quantile``'s default, as TRL computes it). ``rho = 0.2`` is Wang et al.'s
+    choice: only the ~20% of tokens where the policy hesitates (the "forking" tokens) carry a
+    gradient; ``rho = 1`` keeps every token; ``rho = 0`` keeps only the highest-entropy one(s). An
+    empty mask keeps nothing. Returns a bool ``(B, T)``; ``entropies`` is detached.
+    """
+    rho = float(top_entropy_quantile)
+    if not 0.0 <= rho <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {top_entropy_quantile!r}")
+    if not isinstance(entropies, torch.Tensor) or entropies.ndim != 2 or not entropies.is_floating_point():
+        raise ValueError(f"entropies must be a (B, T) float tensor, got {getattr(entropies, 'shape', entropies)!r}")
+    m = as_mask(mask, entropies)
+    values = entropies.detach()[m].float()
+    if values.numel() == 0:
+        return torch.zeros_like(m)
+    threshold = torch.quantile(values, 1.0 - rho)
+    return (entropies.detach() * m.to(entropies.dtype) >= threshold) & m
+
+
+def entropy_bonus(entropies: torch.Tensor, mask) -> torch.Tensor:
+    """``H_bar = sum_t m_t H_t / max(1, sum_t m_t)``: the mean entropy over the tokens of ``mask``.
+
+    TRL's loss with ``entropy_coef = c`` is ``L_policy - c * H_bar`` whatever the ``loss_type``, with
+    ``mask`` the tokens the policy loss acts on (the high-entropy ones under ``top_entropy_quantile``).
+    Keeps the gradient of ``entropies``.
+    """
+    if not isinstance(entropies, torch.Tensor) or entropies.ndim != 2:
+        raise ValueError(f"entropies must be a (B, T) tensor, got {getattr(entropies, 'shape', entropies)!r}")
+    m = as_mask(mask, entropies).to(entropies.dtype)
+    return (entropies * m).sum() / m.sum().clamp(min=1.0)
