@@ -91,12 +91,13 @@ PPO_NAME_MAP = {
 # PolicyGradientConfig fields TRL's GRPOConfig has no switch for: GRPOTrainer always uses the group
 # advantage (TRL's RLOOTrainer the leave-one-out one), a fixed 1e-4 added to the std, no dynamic
 # sampling and no moving baseline; DAPO's overlong shaping is a reward function in TRL
-# (trl.rewards.get_soft_overlong_punishment), not a setting. grpo_config_kwargs leaves them out only
+# (trl.rewards.get_soft_overlong_punishment), not a setting; GRPOTrainer always recomputes pi_old
+# (no ratio against the sampler's own log-probs). grpo_config_kwargs leaves them out only
 # at their GRPO values; those marked None (read only by another setting: the moving average, dynamic
 # sampling, the overlong buffer) always.
 OURS_ONLY = {"std_floor": 1e-4, "advantage_estimator": "grpo", "baseline_decay": None,
              "kl_in_reward": False, "dynamic_sampling": False, "max_num_gen_batches": None,
-             "overlong_buffer_len": 0, "overlong_penalty_factor": None}
+             "overlong_buffer_len": 0, "overlong_penalty_factor": None, "ratio_against_sampler": False}
 
 
 def grpo_config_kwargs(config, task=None) -> dict:
