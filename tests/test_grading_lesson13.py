@@ -16,8 +16,8 @@ def kwargs_by_hand(config, task):
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if f.name in ("std_floor", "advantage_estimator", "baseline_decay", "kl_in_reward", "dynamic_sampling",
-                      "max_num_gen_batches"):
-            if f.name not in ("baseline_decay", "max_num_gen_batches") and value != f.default:
+                      "max_num_gen_batches", "overlong_buffer_len", "overlong_penalty_factor", "ratio_against_sampler"):
+            if f.name not in ("baseline_decay", "max_num_gen_batches", "overlong_penalty_factor") and value != f.default:
                 raise ValueError(f"{f.name} has no GRPOConfig equivalent")
             continue
         out[f.name] = value
@@ -231,6 +231,11 @@ def test_bridge_kwargs_build_trl_configs_that_hold_our_values(tmp_path):
     dpo = DPOConfig(beta=0.5, loss_type="ipo", max_steps=7)
     trl_dpo = trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], **dpo_config_kwargs(dpo))
     assert (trl_dpo.beta, trl_dpo.max_steps, trl_dpo.warmup_steps) == (0.5, 7, 0)
+    for other in ("simpo", "orpo", "kto"):     # other trainers in TRL: refused, not silently run as DPO
+        with pytest.raises(ValueError, match=other):
+            dpo_config_kwargs(DPOConfig(loss_type=other))
+    with pytest.raises(ValueError, match="rdpo_alpha"):
+        dpo_config_kwargs(DPOConfig(rdpo_alpha=0.1))
 
 
 def test_preference_dataset_keeps_the_three_columns_and_rejects_others():

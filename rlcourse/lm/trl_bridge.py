@@ -155,10 +155,23 @@ def dpo_config_kwargs(config) -> dict:
     """Our :class:`~rlcourse.lm.dpo.DPOConfig` as ``trl.DPOConfig`` keyword arguments (same names).
 
     Ours has no warm-up: ``warmup_steps=0`` is added so TRL's schedule is the same linear decay.
+    The losses of lesson 11b are other trainers in TRL (``simpo``: ``CPOTrainer``, ``orpo``:
+    ``ORPOTrainer``, ``kto``: ``KTOTrainer``) and R-DPO's ``rdpo_alpha`` has no TRL option: either
+    raises ``ValueError``. Their other settings (``simpo_gamma``, ``desirable_weight``,
+    ``undesirable_weight``) are read by those losses only, so they are left out.
     """
     from dataclasses import fields
 
-    kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+    from rlcourse.losses.beyond_dpo import BEYOND_DPO_LOSS_TYPES
+
+    elsewhere = [t for t in config.loss_types if t in BEYOND_DPO_LOSS_TYPES]
+    if elsewhere:
+        raise ValueError(f"loss_type {elsewhere} is not a DPOTrainer loss: TRL runs simpo in CPOTrainer, orpo in "
+                         f"ORPOTrainer and kto in KTOTrainer")
+    if config.rdpo_alpha:
+        raise ValueError(f"rdpo_alpha={config.rdpo_alpha!r} (R-DPO's length penalty) has no trl.DPOConfig option")
+    ours_only = ("simpo_gamma", "rdpo_alpha", "desirable_weight", "undesirable_weight")
+    kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name not in ours_only}
     kwargs["warmup_steps"] = 0
     return kwargs
 
