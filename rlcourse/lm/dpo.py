@@ -6,10 +6,11 @@ function, only the log-probs of fixed pairs under two models:
     for each batch of pairs (x, y_w, y_l):
         log pi(y|x)     = sum_t log pi_theta(y_t | x, y_<t)        for y in (y_w, y_l), one forward
         log pi_ref(y|x) = the same under the frozen reference      (or read from a precomputed table)
-        loss = preference_loss(..., beta, loss_type, loss_weights, label_smoothing)
+        loss = preference_objective(..., beta, loss_type, loss_weights, label_smoothing, ...)
         AdamW step (gradient clipped), learning rate decayed linearly to 0
 
-Every formula lives in :mod:`rlcourse.losses.dpo`; this module only encodes the pairs, runs the
+Every formula lives in :mod:`rlcourse.losses.dpo` and :mod:`rlcourse.losses.beyond_dpo` (SimPO,
+ORPO, KTO, R-DPO: lesson 11b); this module only encodes the pairs, runs the
 forward passes and logs what TRL's ``DPOTrainer`` logs, under the same names: ``loss``,
 ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``,
 ``logps/chosen``, ``logps/rejected``.
@@ -38,7 +39,7 @@ from rlcourse.lm.sampling import sample
 from rlcourse.lm.tokenizer import check_encodable
 
 __all__ = ["DPOConfig", "check_preference_pairs", "select_pairs", "pair_token_logprobs", "batch_loss", "dpo_metrics",
-           "train_dpo", "reward_and_kl"]
+           "train_dpo", "reward_and_kl", "kto_mismatched_pairs"]
 
 
 @dataclass
@@ -58,9 +59,12 @@ class DPOConfig:
       ``precompute_ref_log_probs`` (False), ``seed`` (42), ``logging_steps`` (bar refresh only:
       every step is recorded).
     * Lesson 11b (:func:`rlcourse.losses.beyond_dpo.preference_objective`): ``simpo_gamma`` (0.5, TRL's
-      ``CPOConfig``), ``rdpo_alpha`` (0: R-DPO's length penalty on ``sigmoid``; not a TRL option),
-      ``desirable_weight`` and ``undesirable_weight`` (1, TRL's ``KTOConfig``). Losses that never read
-      the reference (``simpo``, ``orpo``, ``sft``) keep no reference copy and compute no reference log-probs.
+      ``CPOConfig``; our ``simpo`` is SimPO alone, TRL's ``CPOConfig(loss_type="simpo")`` adds an NLL
+      term unless ``cpo_alpha=0``), ``rdpo_alpha`` (0: R-DPO's length term on ``sigmoid``; not a TRL
+      option), ``desirable_weight`` and ``undesirable_weight`` (1, TRL's ``KTOConfig``). Losses that never
+      read the reference (``simpo``, ``orpo``, ``sft``) keep no reference copy and compute no reference
+      log-probs. ``kto`` reads its reference point from mismatched pairs (:func:`kto_mismatched_pairs`):
+      one more forward pass per step, without gradient, as TRL's ``KTOTrainer`` makes.
     """
 
     beta: float = 0.1
@@ -164,17 +168,38 @@ def lr_factor(args: DPOConfig, step: int, steps: int) -> float:
 
 
 def batch_loss(args: DPOConfig, chosen_tok: torch.Tensor, rejected_tok: torch.Tensor, completion_mask: torch.Tensor,
-               ref_chosen: torch.Tensor, ref_rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, kl_logps: torch.Tensor | None = None,
+               ref_kl_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One batch's loss (:func:`rlcourse.losses.beyond_dpo.preference_objective` with ``args``' settings), and the
-    chosen and rejected sequence log-probs it used. ``completion_mask`` is the batch's, chosen rows first."""
+    chosen and rejected sequence log-probs it used. ``completion_mask`` is the batch's, chosen rows first;
+    ``kl_logps`` and ``ref_kl_logps``: KTO's mismatched pairs under the policy and the reference."""
     chosen_mask, rejected_mask = completion_mask.chunk(2, dim=0)
     chosen_logps, rejected_logps = chosen_tok.sum(-1), rejected_tok.sum(-1)
     loss = preference_objective(chosen_tok, rejected_tok, chosen_mask, rejected_mask, ref_chosen, ref_rejected,
                                 beta=args.beta, loss_type=args.loss_types, loss_weights=args.loss_weights,
                                 label_smoothing=args.label_smoothing, simpo_gamma=args.simpo_gamma,
                                 rdpo_alpha=args.rdpo_alpha, desirable_weight=args.desirable_weight,
-                                undesirable_weight=args.undesirable_weight)
+                                undesirable_weight=args.undesirable_weight, kl_logps=kl_logps,
+                                ref_kl_logps=ref_kl_logps)
     return loss, chosen_logps, rejected_logps
+
+
+def kto_mismatched_pairs(pairs: list[dict]) -> list[dict]:
+    """KTO's pairs for its reference point: prompt ``i`` with the chosen and rejected completions of pair ``i - 1``.
+
+    ``z0`` estimates ``KL(pi || pi_ref)`` from completions that answer *another* prompt, so that no
+    example's own log-ratio sets the point it is compared with (Ethayarajh et al. 2024, section 4.1).
+    TRL's ``KTOTrainer`` shifts the completions by one within each chunk of
+    ``per_device_train_batch_size`` examples; here the shift runs over the whole list (the first prompt
+    takes the last pair's completions): the same estimator, other partners.
+    """
+    return [{"prompt": row["prompt"], "chosen": pairs[i - 1]["chosen"], "rejected": pairs[i - 1]["rejected"]}
+            for i, row in enumerate(pairs)]
+
+
+def uses_kto(args: DPOConfig) -> bool:
+    """Whether ``args`` trains with KTO (which needs the mismatched pairs' log-probs)."""
+    return "kto" in args.loss_types
 
 
 def reference_free(args: DPOConfig) -> bool:
@@ -221,8 +246,12 @@ def train_dpo(model, tokenizer, pairs: list[dict], args: DPOConfig | None = None
     if ref_model is not None:
         ref_model.eval()  # its forwards run under no_grad
         ref_table = None
+    kl_data = encode_preference_pairs(tokenizer, kto_mismatched_pairs(pairs), dev) if uses_kto(args) else None
+    kl_table = None
     if args.precompute_ref_log_probs and not no_reference:
         ref_table = _reference_logps(ref_model, data, max(bs, 64))
+        if kl_data is not None:
+            kl_table = _reference_logps(ref_model, kl_data, max(bs, 64))
         ref_model = None  # not needed any more: free the copy
 
     model.eval()  # no dropout: the policy and its reference must score tokens the same way
@@ -244,8 +273,15 @@ def train_dpo(model, tokenizer, pairs: list[dict], args: DPOConfig | None = None
             ref_chosen, ref_rejected = ref_table[0][idx], ref_table[1][idx]
         else:
             ref_chosen, ref_rejected = _reference_logps(ref_model, batch, bs)
+        kl = ref_kl = None
+        if kl_data is not None:   # KTO's reference point: mismatched pairs, no gradient (as TRL)
+            kl_batch = select_pairs(kl_data, idx)
+            with torch.no_grad():
+                kl = torch.cat([t.sum(-1) for t in pair_token_logprobs(model, kl_batch)])
+            ref_kl = (torch.cat([kl_table[0][idx], kl_table[1][idx]]) if kl_table is not None
+                      else torch.cat(_reference_logps(ref_model, kl_batch, bs)))
         loss, chosen_logps, rejected_logps = batch_loss(args, chosen_tok, rejected_tok, batch["completion_mask"],
-                                                        ref_chosen, ref_rejected)
+                                                        ref_chosen, ref_rejected, kl, ref_kl)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"DPO loss is {loss.item()} at step {step}: lower learning_rate or check the data")
         opt.zero_grad(set_to_none=True)

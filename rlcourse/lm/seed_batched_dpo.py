@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from rlcourse.lm.dpo import (HISTORY_KEYS, DPOConfig, _reference_logps, batch_loss, check_preference_pairs,
-                             dpo_metrics, lr_factor, reference_free, select_pairs)
+                             dpo_metrics, kto_mismatched_pairs, lr_factor, reference_free, select_pairs, uses_kto)
 from rlcourse.lm.fast_gpt2 import supports
 from rlcourse.lm.logprobs import sequence_logprobs
 from rlcourse.lm.model import frozen_copy
@@ -79,36 +79,55 @@ def _per_model(args, S: int) -> list[DPOConfig]:
     return configs
 
 
-def seed_losses(stack, args, data: list[dict], picked: list[torch.Tensor], tables, active,
-                pad_id: int) -> dict:
-    """Each active seed's DPO loss on its pairs ``picked[s]`` of ``data[s]``, from one stacked forward.
-
-    ``args``: one :class:`~rlcourse.lm.dpo.DPOConfig`, or one per seed. ``tables[s]`` holds seed ``s``'s
-    reference log-probs of every pair (chosen, rejected). Returns ``{s: (loss, chosen_logps,
-    rejected_logps)}`` (:func:`rlcourse.lm.dpo.batch_loss`).
-    """
-    configs = _per_model(args, len(data))
+def _stacked_logprobs(stack, data: list[dict], picked: list[torch.Tensor], pad_id: int):
+    """Per-token log-probs of every seed's pairs ``picked[s]`` of ``data[s]`` from one stacked forward,
+    and the row indices (chosen rows, then rejected rows) of each seed's real pairs in it."""
     dev = data[0]["prompt_ids"].device
     batches = [select_pairs(d, idx.to(dev)) for d, idx in zip(data, picked)]
     rows = max(len(idx) for idx in picked)
     joint = _joint([_filled(b, rows) for b in batches], pad_id)
     tok = sequence_logprobs(stack, joint["prompt_ids"], joint["completion_ids"], joint["completion_mask"],
                             joint["prompt_mask"])
+    index = []
+    for s, idx in enumerate(picked):
+        n, start = len(idx), s * 2 * rows       # seed s's block: its chosen rows, then its rejected rows
+        index.append(torch.cat([torch.arange(start, start + n), torch.arange(start + rows, start + rows + n)]).to(dev))
+    return tok, joint["completion_mask"], index
+
+
+def seed_losses(stack, args, data: list[dict], picked: list[torch.Tensor], tables, active,
+                pad_id: int, kl_data: list[dict] | None = None, kl_tables=None) -> dict:
+    """Each active seed's DPO loss on its pairs ``picked[s]`` of ``data[s]``, from one stacked forward.
+
+    ``args``: one :class:`~rlcourse.lm.dpo.DPOConfig`, or one per seed. ``tables[s]`` holds seed ``s``'s
+    reference log-probs of every pair (chosen, rejected). Seeds training with KTO also need
+    ``kl_data[s]`` (the encoded :func:`~rlcourse.lm.dpo.kto_mismatched_pairs`) and ``kl_tables[s]``
+    (their reference log-probs): one more stacked forward, without gradient. Returns ``{s: (loss,
+    chosen_logps, rejected_logps)}`` (:func:`rlcourse.lm.dpo.batch_loss`).
+    """
+    configs = _per_model(args, len(data))
+    dev = data[0]["prompt_ids"].device
+    tok, mask, index = _stacked_logprobs(stack, data, picked, pad_id)
+    kl_tok = None
+    if kl_data is not None and any(uses_kto(c) for c, on in zip(configs, active) if on):
+        with torch.no_grad():
+            kl_tok, _, kl_index = _stacked_logprobs(stack, kl_data, picked, pad_id)
     out = {}
     for s in range(len(data)):
         if not active[s]:
             continue
-        n, start = len(picked[s]), s * 2 * rows       # seed s's block: its chosen rows, then its rejected rows
-        both = torch.cat([torch.arange(start, start + n), torch.arange(start + rows, start + rows + n)]).to(dev)
-        chosen_tok, rejected_tok = tok[both].chunk(2, dim=0)
+        chosen_tok, rejected_tok = tok[index[s]].chunk(2, dim=0)
         ref_chosen, ref_rejected = (t[picked[s].to(dev)] for t in tables[s])
-        out[s] = batch_loss(configs[s], chosen_tok, rejected_tok, joint["completion_mask"][both], ref_chosen,
-                            ref_rejected)
+        kl = ref_kl = None
+        if uses_kto(configs[s]):
+            kl = kl_tok[kl_index[s]].sum(-1)
+            ref_kl = torch.cat([t[picked[s].to(dev)] for t in kl_tables[s]])
+        out[s] = batch_loss(configs[s], chosen_tok, rejected_tok, mask[index[s]], ref_chosen, ref_rejected, kl, ref_kl)
     return out
 
 
 def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | list[DPOConfig] | None = None, seeds=None,
-                    ref_models=None, progress: bool = True) -> list[dict]:
+                    ref_models=None, progress: bool = True, callback=None) -> list[dict]:
     """Train every ``models[s]`` in place by DPO on ``pairs[s]`` with seed ``seeds[s]``; one history per seed.
 
     ``models``: plain GPT-2 models (:func:`rlcourse.lm.fast_gpt2.supports`), one per seed.
@@ -117,7 +136,9 @@ def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | list[DPOConfig] 
     ``seeds`` (default ``args.seed + s``, with model ``s``'s config) seed each run's shuffles.
     ``ref_models`` default to frozen copies of the models as they are now. Histories are :func:`rlcourse.lm.dpo.train_dpo`'s,
     ``seconds`` being the shared training time divided by the seeds. The reference log-probs are
-    computed once up front (as ``train_dpo`` does with ``precompute_ref_log_probs``).
+    computed once up front (as ``train_dpo`` does with ``precompute_ref_log_probs``). ``callback(step,
+    stack)``, if given, runs after each step (``step`` from 1) with the seed-stacked model, e.g. to sample
+    every seed at once (:func:`rlcourse.lm.sample` with one generator per seed); its time is not counted.
     """
     models = list(models)
     S = len(models)
@@ -156,6 +177,17 @@ def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | list[DPOConfig] 
             computed[id(r), id(p)] = _reference_logps(r.eval(), d, max(bs, 64))
     tables = [tuple(torch.zeros(len(p), device=dev) for _ in range(2)) if reference_free(a) else computed[id(r), id(p)]
               for r, p, a in zip(refs, pairs, configs)]
+    kl_data = kl_tables = None
+    if any(uses_kto(a) for a in configs):     # KTO's mismatched pairs, encoded and scored by the reference once
+        kl_encoded, kl_computed = {}, {}
+        for p in pairs:
+            if id(p) not in kl_encoded:
+                kl_encoded[id(p)] = encode_preference_pairs(tokenizer, kto_mismatched_pairs(p), dev)
+        for r, p, a in zip(refs, pairs, configs):
+            if uses_kto(a) and (id(r), id(p)) not in kl_computed:
+                kl_computed[id(r), id(p)] = _reference_logps(r.eval(), kl_encoded[id(p)], max(bs, 64))
+        kl_data = [kl_encoded[id(p)] for p in pairs]
+        kl_tables = [kl_computed.get((id(r), id(p))) for r, p in zip(refs, pairs)]
 
     stack = stack_models(models)
     opt = SeedAdam(stack.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -177,7 +209,7 @@ def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | list[DPOConfig] 
                 orders[s] = torch.randperm(len(pairs[s]), generator=gens[s])
             picked.append(orders[s][:bs])
             orders[s] = orders[s][bs:]
-        losses = seed_losses(stack, configs, data, picked, tables, active, tokenizer.pad_token_id)
+        losses = seed_losses(stack, configs, data, picked, tables, active, tokenizer.pad_token_id, kl_data, kl_tables)
         for s, (loss, _, _) in losses.items():
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"DPO loss of seed {seeds[s]} is {loss.item()} at step {step}: lower "
@@ -197,6 +229,10 @@ def train_dpo_seeds(models, tokenizer, pairs, args: DPOConfig | list[DPOConfig] 
             for k, v in dpo_metrics(chosen, rejected, ref_chosen, ref_rejected, configs[s].beta).items():
                 h[k].append(v)
         bar.set_postfix(loss=f"{sum(loss.item() for loss, _, _ in losses.values()) / len(losses):.3f}")
+        if callback is not None:
+            paused = time.perf_counter()
+            callback(step + 1, stack)
+            start += time.perf_counter() - paused     # the callback's time is not training time
     for h in histories:                      # the seeds shared the clock: each is charged its share
         h["seconds"] = (time.perf_counter() - start) / S
     with torch.no_grad():                    # each seed's weights back into its own model

@@ -11,7 +11,7 @@ per example, shape (B,):
             lambda_U (1 - sigmoid(beta (z0 - r_l))) for an undesirable one,
             r = log pi(y)/pi_ref(y), z0 = max(0, mean log pi/pi_ref over mismatched pairs), no gradient
                                                                                   Ethayarajh et al. 2024, arXiv 2402.01306
-    rdpo    -log sigmoid(beta h - alpha (|y_w| - |y_l|))                          Park et al. 2024, arXiv 2403.19159
+    rdpo    -log sigmoid(beta h + alpha (|y_w| - |y_l|))                          Park et al. 2024, arXiv 2403.19159
 
 Names follow TRL 1.16: SimPO is ``CPOTrainer`` with ``loss_type="simpo"`` (``beta``, ``simpo_gamma``,
 ``cpo_alpha=0``), ORPO is ``ORPOTrainer`` (its ``beta`` is the paper's lambda), KTO is ``KTOTrainer``
@@ -128,17 +128,24 @@ def rdpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps
               rejected_lengths, beta: float, alpha: float) -> torch.Tensor:
     """R-DPO (Park, Rafailov, Ermon and Finn 2024, eq. 9), per pair:
 
-        -log sigmoid(beta h - alpha (|y_w| - |y_l|)),
+        -log sigmoid(beta h + alpha (|y_w| - |y_l|)).
 
-    DPO with a penalty on the length difference: a chosen answer that wins only by being longer
-    needs a larger log-ratio margin ``h``. ``alpha = 0`` is DPO.
+    DPO for the objective ``E[r(x, y) - alpha |y|] - beta KL(pi || pi_ref)``: its optimum
+    ``pi ~ pi_ref exp((r - alpha |y|) / beta)`` makes ``r = beta log pi / pi_ref + alpha |y| + beta log Z``,
+    and Bradley-Terry on that ``r`` is the loss above. The length term explains the part of a
+    preference that length alone predicts, so the policy's margin ``h`` is not pushed to carry it:
+    with raters whose utility is ``gold + b |y|``, ``alpha = b`` leaves the optimum of the gold score.
+    ``alpha = 0`` is DPO.
     """
     _check_beta(beta)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha == alpha:
+        raise ValueError(f"alpha must be a number (R-DPO's weight per unit of length), got {alpha!r}")
     h = dpo_logratio_margin(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
     lw, ll = (torch.as_tensor(n).to(h) for n in (chosen_lengths, rejected_lengths))
     if lw.shape != h.shape or ll.shape != h.shape:
-        raise ValueError(f"chosen_lengths and rejected_lengths must have shape {tuple(h.shape)}")
-    return -F.logsigmoid(beta * h - alpha * (lw - ll))
+        raise ValueError(f"chosen_lengths and rejected_lengths must have shape {tuple(h.shape)}, got "
+                         f"{tuple(lw.shape)} and {tuple(ll.shape)}")
+    return -F.logsigmoid(beta * h + alpha * (lw - ll))
 
 
 def online_dpo_pairs(scores, groups) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,22 +175,26 @@ def online_dpo_pairs(scores, groups) -> tuple[torch.Tensor, torch.Tensor]:
 def preference_objective(chosen_token_logps, rejected_token_logps, chosen_mask, rejected_mask,
                          ref_chosen_logps, ref_rejected_logps, *, beta: float, loss_type="sigmoid", loss_weights=None,
                          label_smoothing: float = 0.0, simpo_gamma: float = 0.5, rdpo_alpha: float = 0.0,
-                         desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> torch.Tensor:
+                         desirable_weight: float = 1.0, undesirable_weight: float = 1.0, kl_logps=None,
+                         ref_kl_logps=None) -> torch.Tensor:
     """The scalar a preference trainer minimises on one batch of pairs, from per-token log-probs.
 
     ``loss_type``: a name of :data:`ALL_PREFERENCE_LOSS_TYPES` or a list (``loss_weights`` one weight
-    each). DPO's types go to :func:`rlcourse.losses.dpo.preference_loss`, with R-DPO's penalty when
-    ``rdpo_alpha != 0`` on ``"sigmoid"``. ``"simpo"`` (reference-free) and ``"orpo"`` (the NLL of
+    each). DPO's types go to :func:`rlcourse.losses.dpo.preference_loss`, with R-DPO's length term
+    when ``rdpo_alpha != 0`` on ``"sigmoid"``. ``"simpo"`` (reference-free) and ``"orpo"`` (the NLL of
     the chosen answers plus ``beta`` times the odds-ratio term) read per-token averages. ``"kto"``
-    splits each pair into a desirable and an undesirable single and takes ``z0`` from the batch's
-    own log-ratios, ``max(0, mean r)`` over all its completions, detached (TRL pairs prompts with
-    other examples' completions for it; :func:`kto_loss` takes either).
+    splits each pair into a desirable and an undesirable single; its reference point ``z0`` comes
+    from ``kl_logps`` and ``ref_kl_logps`` (policy and reference log-probs of mismatched
+    prompt-completion pairs, as TRL's ``KTOTrainer`` builds them) or, when they are not given, from
+    the batch's own completions: ``max(0, mean r)`` over all of them, detached.
     """
     types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
     weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
     if not types or len(weights) != len(types):
         raise ValueError(f"loss_type must name at least one loss and loss_weights hold one weight each, got "
                          f"{loss_type!r} and {loss_weights!r}")
+    if (kl_logps is None) != (ref_kl_logps is None):
+        raise ValueError("pass kl_logps and ref_kl_logps together (or neither)")
     chosen_logps, rejected_logps = chosen_token_logps.sum(-1), rejected_token_logps.sum(-1)
     chosen_len, rejected_len = chosen_mask.sum(-1), rejected_mask.sum(-1)
     total = 0.0
@@ -197,8 +208,11 @@ def preference_objective(chosen_token_logps, rejected_token_logps, chosen_mask, 
                 average_logps(chosen_token_logps, chosen_mask), average_logps(rejected_token_logps, rejected_mask),
                 beta).mean()
         elif kind == "kto":
-            own = torch.cat([chosen_logps, rejected_logps])
-            z0 = kto_reference_point(own, torch.cat([ref_chosen_logps, ref_rejected_logps]))
+            if kl_logps is None:
+                z0 = kto_reference_point(torch.cat([chosen_logps, rejected_logps]),
+                                         torch.cat([ref_chosen_logps, ref_rejected_logps]))
+            else:
+                z0 = kto_reference_point(kl_logps, ref_kl_logps)
             term = kto_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, z0, beta,
                             desirable_weight, undesirable_weight).mean()
         elif kind == "sigmoid" and rdpo_alpha:
