@@ -11,7 +11,7 @@ same tokens with its own float32 forward; the difference is the sampler-trainer 
 
 * :func:`cast_copy` - the weights in bfloat16 or float16 (what an inference engine runs);
 * :func:`quantised_copy` - the weights rounded to ``bits`` bits per row (round to nearest, one
-  scale per output row, symmetric): fewer bits, a larger gap, a knob to turn;
+  scale per row of each matrix, symmetric): fewer bits, a larger gap, a knob to turn;
 * :class:`CopySampler` - samples from ``make_copy(model)``;
 * :class:`StaleSampler` - samples from the model as it was ``k`` calls ago (an asynchronous
   queue of rollouts, simulated in one process: the sampler is ``k`` updates behind the trainer).
@@ -25,13 +25,19 @@ import copy
 
 import torch
 
+from rlcourse.lm import fast_gpt2
 from rlcourse.lm.sampling import sample
 
 __all__ = ["cast_copy", "quantised_copy", "CopySampler", "StaleSampler"]
 
 
 def cast_copy(model, dtype: torch.dtype = torch.bfloat16):
-    """A copy of ``model`` with every floating-point parameter and buffer in ``dtype``, in eval mode."""
+    """A copy of ``model`` with every floating-point parameter and buffer in ``dtype``, in eval mode.
+
+    The copy computes everything in ``dtype``, its final log-softmax included; an inference engine
+    such as vLLM runs its matrices in bf16 too but takes the log-softmax in float32, so this copy's
+    gap to a float32 trainer is a little larger than an engine's on the same weights.
+    """
     out = copy.deepcopy(model)
     for t in list(out.parameters()) + list(out.buffers()):
         if t.is_floating_point():
@@ -52,8 +58,9 @@ def quantised_copy(model, bits: int):
         raise ValueError(f"bits must be an integer >= 2, got {bits!r}")
     out = copy.deepcopy(model)
     levels = 2 ** (bits - 1) - 1
+    stacked = 0 if fast_gpt2.num_seeds(model) is None else 1     # a seed-stacked model's own leading dimension
     for p in out.parameters():
-        if p.dim() >= 2:
+        if p.dim() - stacked >= 2:
             scale = p.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / levels
             p.copy_(torch.round(p / scale) * scale)
     return out.eval().requires_grad_(False)

@@ -34,8 +34,8 @@ from rlcourse.lm.model import frozen_copy
 from rlcourse.lm.logprobs import completion_logits, token_logprobs_from_logits
 from rlcourse.lm.sampling import sample
 from rlcourse.losses import masked_mean
-from rlcourse.losses.off_policy import (SAMPLER_IS_MODES, check_sampler_logprobs, off_policy_sequence_mask,
-                                        sampler_importance_weights)
+from rlcourse.losses.off_policy import (SAMPLER_IS_MODES, check_is_bounds, check_sampler_logprobs,
+                                        off_policy_sequence_mask, sampler_gap_stats, sampler_importance_weights)
 from rlcourse.losses.grpo import (LOSS_TYPES, aggregate_loss, batch_mean_advantages, clip_fractions,
                                   group_advantages, importance_weights, leave_one_out_advantages,
                                   moving_average_baseline, per_token_loss, rloo_loss)
@@ -80,6 +80,22 @@ class PolicyGradientConfig:
     ``loss_type`` is one of ``grpo, bnpo, dr_grpo, dapo, cispo, sapo`` (TRL's default ``dapo``) or
     ``rloo`` (rlcourse's name for RLOOTrainer's only loss: PPO-clip on the whole-sequence ratio).
 
+    Off-policy settings (lesson 10c). With a ``sampler`` (see :class:`PolicyGradientTrainer`) the
+    completions come with the sampler's log-probs ``mu``; the trainer recomputes ``pi_old`` with its
+    own forward, as TRL does under vLLM. ``vllm_importance_sampling_correction`` then multiplies each
+    per-token policy loss by TRL's weight ``pi_old / mu`` in ``vllm_importance_sampling_mode``
+    (``token_truncate``, ``token_mask``, ``sequence_truncate``, ``sequence_mask``) with the bounds
+    ``vllm_importance_sampling_clip_min`` / ``_clip_max``
+    (:func:`rlcourse.losses.off_policy.sampler_importance_weights`). Our default is ``False``: TRL's
+    is ``True``, and TRL applies it only with ``use_vllm``; here it applies only with a sampler.
+    ``off_policy_mask_threshold`` is DeepSeek-V3.2's sequence mask
+    (:func:`rlcourse.losses.off_policy.off_policy_sequence_mask`; TRL's default ``None``, off), against
+    the sampler's log-probs when there is a sampler and against ``pi_old`` otherwise, as in TRL.
+    ``ratio_against_sampler`` is ours: the PPO ratio becomes ``pi_theta / mu`` (the sampler's own
+    log-probs as ``pi_old``, as TRL's experimental ``AsyncGRPOTrainer`` and PPO with a stale
+    behaviour policy do) instead of ``pi_theta / pi_old`` with ``pi_old`` recomputed; it excludes the
+    importance weights (they would be exactly 1).
+
     Several seeds of one configuration advance together in
     :class:`rlcourse.lm.seed_batched.SeedBatchedPolicyGradientTrainer` (``num_seeds`` or ``seeds`` there).
     """
@@ -109,13 +125,14 @@ class PolicyGradientConfig:
     dynamic_sampling: bool = False
     max_num_gen_batches: int = 4
     max_grad_norm: float | None = 1.0
-    # Off-policy correction (lesson 10c, rlcourse.losses.off_policy), TRL's names; used only when the
-    # trainer is given a ``sampler`` (its own log-probs then differ from the trainer's).
+    # Off-policy correction (lesson 10c, rlcourse.losses.off_policy), TRL's names; the importance
+    # weights apply only when the trainer is given a ``sampler`` (see the class docstring).
     vllm_importance_sampling_correction: bool = False
     vllm_importance_sampling_mode: str = "sequence_mask"
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_clip_max: float | None = 3.0
     off_policy_mask_threshold: float | None = None
+    ratio_against_sampler: bool = False
     # Verifiable rewards (lesson 10b, rlcourse.losses.rlvr): TRL's entropy knobs (defaults TRL's: off)
     # and DAPO's soft overlong punishment (verl's overlong_buffer; TRL's get_soft_overlong_punishment).
     entropy_coef: float = 0.0
@@ -156,6 +173,11 @@ class PolicyGradientConfig:
                              f"got {self.vllm_importance_sampling_mode!r}")
         if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
             raise ValueError(f"off_policy_mask_threshold must be None or >= 0, got {self.off_policy_mask_threshold!r}")
+        check_is_bounds(self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max,
+                        "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
+        if self.ratio_against_sampler and self.vllm_importance_sampling_correction:
+            raise ValueError("ratio_against_sampler=True takes the sampler's log-probs as pi_old, so the importance "
+                             "weight pi_old / mu would be 1 everywhere: set vllm_importance_sampling_correction=False")
         if not 0.0 <= self.top_entropy_quantile <= 1.0 or (
                 self.loss_type == "rloo" and (self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0)):
             raise ValueError(f"top_entropy_quantile must be in [0, 1], and with loss_type='rloo' (a loss per sequence) "
@@ -254,6 +276,8 @@ def loss_and_stats(config: PolicyGradientConfig, logits: torch.Tensor, logp: tor
     """
     c = config
     old = b.old_logprobs if b.old_logprobs is not None else logp.detach()
+    if c.ratio_against_sampler and b.sampler_logprobs is not None:
+        old = b.sampler_logprobs               # lesson 10c: the ratio pi_theta / mu, PPO on a stale behaviour policy
     mask = b.loss_mask
     if c.loss_type == "rloo":
         loss = rloo_loss(logp, old, b.advantages, mask, c.epsilon, c.epsilon_high)
@@ -289,6 +313,12 @@ def loss_and_stats(config: PolicyGradientConfig, logits: torch.Tensor, logp: tor
                  **clip_fractions(ratio, b.advantages, mask, c.epsilon, c.epsilon_high)}
         if b.ref_logprobs is not None:
             stats["kl"] = float(masked_mean(kl_k3(logp.detach(), b.ref_logprobs), mask.bool()))
+        if b.sampler_logprobs is not None:     # lesson 10c: how far the sampler is from the trainer, TRL's sampling/*
+            stats.update(sampler_gap_stats(b.old_logprobs, b.sampler_logprobs, mask, b.is_weights,
+                                           c.vllm_importance_sampling_clip_max or 3.0))
+            if c.off_policy_mask_threshold is not None:
+                kept = off_policy_sequence_mask(b.advantages, logp, b.sampler_logprobs, mask, c.off_policy_mask_threshold)
+                stats["sampling/off_policy_masked"] = 1.0 - float(kept.float().mean())
     return loss, stats
 
 

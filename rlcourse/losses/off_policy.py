@@ -9,34 +9,37 @@ policy several updates old) and the trainer recomputes their log-probs with anot
 
 PPO/GRPO's ratio ``pi / pi_old`` assumes the tokens were drawn from ``pi_old``. They were drawn from
 ``mu``; the weight that repairs it is ``pi_old / mu``, which TRL 1.16 multiplies onto every
-per-token loss (``vllm_importance_sampling_correction=True``), in one of four modes
+per-token policy loss (``vllm_importance_sampling_correction=True``) in one of four modes
 (:data:`SAMPLER_IS_MODES`), and DeepSeek-V3.2's off-policy sequence mask drops far-off-policy
-sequences of negative advantage (:func:`off_policy_sequence_mask`). These functions compute
-exactly what TRL's ``GRPOTrainer`` does with those settings (``tests/test_off_policy_trl_parity.py``
-runs TRL's trainer on fixed inputs and compares).
+sequences of negative advantage (:func:`off_policy_sequence_mask`). These functions compute what
+TRL's ``GRPOTrainer`` computes with those settings (``tests/test_trl_parity_off_policy.py`` runs
+TRL's trainer on fixed inputs and compares).
 
 References: truncated importance weights as in IMPALA's V-trace (Espeholt et al., 2018, arXiv
-1802.01561); the off-policy sequence mask of DeepSeek-V3.2 (2025, arXiv 2512.02556, eq. 9).
+1802.01561) and, for the sampler-trainer gap, Yao et al., "Your efficient RL framework secretly
+brings you off-policy RL training" (2025); the off-policy sequence mask of DeepSeek-V3.2 (2025,
+arXiv 2512.02556, eq. 9); Kish's effective sample size (Kish, 1965, "Survey Sampling").
 """
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 __all__ = ["SAMPLER_IS_MODES", "sampler_importance_weights", "off_policy_sequence_mask", "sampler_gap_stats",
-           "effective_sample_size", "check_sampler_logprobs"]
+           "effective_sample_size", "check_sampler_logprobs", "check_is_bounds"]
 
 SAMPLER_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def check_sampler_logprobs(sampler_logprobs, completion_ids: torch.Tensor, mask: torch.Tensor,
                            name: str = "sampler_logprobs") -> torch.Tensor:
-    """``sampler_logprobs`` as a float tensor, refused with an error naming ``name`` unless it has the
-    completions' shape ``(B, T)`` and holds finite values <= 0 on every real token (``mask == 1``).
+    """``sampler_logprobs`` as given, refused with an error naming ``name`` unless it is a floating-point
+    tensor of the completions' shape ``(B, T)`` holding finite values <= 0 on every real token (``mask == 1``).
 
-    (TRL zeroes the correction of a token vLLM could not score, a NaN; here a NaN from our own
-    sampler is a bug, so it is refused.)
+    (TRL sets the correction of a token vLLM could not score, a NaN, to 1; here a NaN from a sampler
+    is a bug to report, so it is refused.)
     """
     if not isinstance(sampler_logprobs, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {tuple(completion_ids.shape)}, "
@@ -46,8 +49,7 @@ def check_sampler_logprobs(sampler_logprobs, completion_ids: torch.Tensor, mask:
                          f"completion token), got {tuple(sampler_logprobs.shape)}")
     if not sampler_logprobs.is_floating_point():
         raise ValueError(f"{name} must hold floating-point log-probs, got dtype {sampler_logprobs.dtype}")
-    real = mask.bool()
-    values = sampler_logprobs[real]
+    values = sampler_logprobs[mask.bool()]
     if not bool(torch.isfinite(values).all()):
         bad = int((~torch.isfinite(values)).sum())
         raise ValueError(f"{name} holds {bad} NaN or infinite value(s) on real completion tokens: the sampler must "
@@ -58,12 +60,22 @@ def check_sampler_logprobs(sampler_logprobs, completion_ids: torch.Tensor, mask:
     return sampler_logprobs
 
 
+def check_is_bounds(clip_min, clip_max, min_name: str = "clip_min", max_name: str = "clip_max") -> None:
+    """Refuse importance-weight bounds that are not ``None`` or numbers with ``0 <= clip_min <= clip_max``."""
+    for value, label in ((clip_min, min_name), (clip_max, max_name)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                  or math.isnan(value) or value < 0):
+            raise ValueError(f"{label} must be None or a number >= 0, got {value!r}")
+    if clip_min is not None and clip_max is not None and clip_min > clip_max:
+        raise ValueError(f"{min_name} ({clip_min!r}) must not exceed {max_name} ({clip_max!r})")
+
+
 def sampler_importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
                                mode: str = "sequence_mask", clip_min: float | None = None,
                                clip_max: float | None = 3.0) -> torch.Tensor:
-    """TRL's ``importance_sampling_ratio``: the weight ``pi_old / mu`` that corrects the sampler's tokens.
+    """TRL's ``importance_sampling_ratio``: the weight ``pi_old / mu`` that corrects for the sampler.
 
-    With ``d_t = (log pi_old(y_t) - log mu(y_t)) m_t`` (0 on padding, and 0 where ``mu`` is NaN, as TRL):
+    With ``d_t = (log pi_old(y_t) - log mu(y_t)) m_t`` (0 on padding, and 0 where either is NaN, as TRL):
 
     * token level (``token_*``): ``rho_t = exp(d_t)``, shape ``(B, T)``;
     * sequence level (``sequence_*``): ``rho = exp(sum_t d_t) = pi_old(y) / mu(y)``, shape ``(B, 1)``;
@@ -71,13 +83,15 @@ def sampler_importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: tor
     * ``*_mask``: ``w = rho`` if ``clip_min <= rho <= clip_max`` else ``0`` (masked IS).
 
     ``clip_min``/``clip_max`` are TRL's ``vllm_importance_sampling_clip_min`` (default None: no
-    lower bound) and ``vllm_importance_sampling_clip_max`` (default 3.0); TRL's default mode is
-    ``sequence_mask``. The weight is detached: it multiplies the per-token loss as a constant.
-    The cap applies to the ratio, after exponentiating: ``min(exp(d), C)``, not ``exp(min(d, C))``.
+    lower bound) and ``vllm_importance_sampling_clip_max`` (default 3.0); a bound of ``None`` is no
+    bound (both None: the plain ratio; TRL's ``torch.clamp`` refuses that for ``*_truncate``). TRL's
+    default mode is ``sequence_mask``. The weight is detached: it multiplies the per-token loss as a
+    constant. The cap applies to the ratio, after exponentiating: ``min(exp(d), C)``.
     """
     if mode not in SAMPLER_IS_MODES:
         raise ValueError(f"mode must be one of {SAMPLER_IS_MODES} (TRL's vllm_importance_sampling_mode), got {mode!r}")
-    if old_logprobs.shape != sampler_logprobs.shape or old_logprobs.shape != mask.shape:
+    check_is_bounds(clip_min, clip_max)
+    if old_logprobs.shape != sampler_logprobs.shape or old_logprobs.shape != mask.shape or old_logprobs.dim() != 2:
         raise ValueError(f"old_logprobs {tuple(old_logprobs.shape)}, sampler_logprobs {tuple(sampler_logprobs.shape)} "
                          f"and mask {tuple(mask.shape)} must have one shape (B, T)")
     m = mask.to(old_logprobs.dtype)
@@ -86,9 +100,7 @@ def sampler_importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: tor
         diff = diff.sum(-1, keepdim=True)
     ratio = torch.exp(diff)
     if mode.endswith("truncate"):
-        if clip_min is None and clip_max is None:
-            return ratio
-        return torch.clamp(ratio, min=clip_min, max=clip_max)
+        return ratio if clip_min is None and clip_max is None else torch.clamp(ratio, min=clip_min, max=clip_max)
     low = -math.inf if clip_min is None else clip_min
     high = math.inf if clip_max is None else clip_max
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
@@ -100,17 +112,23 @@ def off_policy_sequence_mask(advantages: torch.Tensor, logprobs: torch.Tensor, s
 
     ``M_i = 0`` if ``A_i < 0`` and ``(1/|y_i|) sum_t (log mu(y_t) - log pi(y_t)) > delta``, else ``1``:
     a sequence is dropped only when it is pushed *down* and the policy has drifted from the sampler
-    by more than ``delta`` nats per token (a sample estimate of ``KL(mu || pi)``). Shape ``(B, 1)``,
-    in ``mask``'s dtype; ``logprobs`` is detached; NaN sampler log-probs count 0, as in TRL.
-    Advantages are ``(B,)`` or ``(B, 1)``.
+    by more than ``delta`` nats per token (a sample estimate of ``KL(mu || pi)`` per token, since the
+    tokens were drawn from ``mu``). Shape ``(B, 1)``, in ``mask``'s dtype; ``logprobs`` (the current
+    policy's) is detached; NaN differences count 0, as in TRL. Advantages are ``(B,)`` or ``(B, 1)``.
     """
-    if threshold is None or not threshold >= 0:
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold >= 0:
         raise ValueError(f"threshold must be a number >= 0 (TRL's off_policy_mask_threshold, e.g. 0.5), got {threshold!r}")
+    if logprobs.shape != sampler_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)}, sampler_logprobs {tuple(sampler_logprobs.shape)} and "
+                         f"mask {tuple(mask.shape)} must have one shape (B, T)")
+    if advantages.numel() != logprobs.shape[0]:
+        raise ValueError(f"advantages must hold one value per sequence ({logprobs.shape[0]}), got shape "
+                         f"{tuple(advantages.shape)}")
     adv = advantages.reshape(-1, 1)
     m = mask.to(logprobs.dtype)
-    kl = torch.nan_to_num(sampler_logprobs - logprobs.detach(), nan=0.0)
-    per_seq = (kl * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)
-    return ((adv >= 0) | (per_seq <= threshold)).to(mask.dtype)
+    gap = torch.nan_to_num(sampler_logprobs.detach() - logprobs.detach(), nan=0.0)
+    per_token = (gap * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)
+    return ((adv >= 0) | (per_token <= threshold)).to(mask.dtype)
 
 
 def effective_sample_size(weights: torch.Tensor) -> float:
@@ -124,22 +142,41 @@ def effective_sample_size(weights: torch.Tensor) -> float:
 
 
 def sampler_gap_stats(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
-                      cap: float = 3.0) -> dict:
-    """How far the sampler is from the trainer on one batch (TRL's ``sampling/*`` metrics and more).
+                      weights: torch.Tensor | None = None, cap: float = 3.0) -> dict:
+    """How far the sampler is from the trainer on one batch, as logged by the trainers.
 
-    * ``sampling_logp_difference/mean`` and ``/max``: mean and max of ``|log pi_old - log mu|`` over real tokens;
-    * ``token_ratio_std``: the spread of the token ratios ``pi_old / mu``;
-    * ``token_beyond_cap`` / ``sequence_beyond_cap``: the share of tokens / sequences whose ratio
-      is above ``cap`` or below ``1 / cap``;
-    * ``sequence_ess``: :func:`effective_sample_size` of the sequence ratios.
+    TRL's names (its ``GRPOTrainer`` logs them under vLLM):
+
+    * ``sampling/sampling_logp_difference/mean`` and ``/max``: of ``|log pi_old - log mu|`` over real tokens;
+    * ``sampling/importance_sampling_ratio/min``, ``/mean``, ``/max``: of the applied ``weights``
+      (:func:`sampler_importance_weights`; over real tokens, or over sequences for a ``(B, 1)``
+      weight), only when ``weights`` is given.
+
+    Ours, of the uncapped ratios ``pi_old / mu``:
+
+    * ``sampling/kl``: the mean over real tokens of ``log mu - log pi_old``, the per-token estimate
+      of ``KL(mu || pi_old)`` from tokens drawn from ``mu``;
+    * ``sampling/token_ratio_std``: the spread of the token ratios;
+    * ``sampling/token_above_cap`` and ``sampling/sequence_above_cap``: the share of tokens and of
+      sequences whose ratio exceeds ``cap`` (what ``*_mask`` with ``clip_max=cap`` drops);
+    * ``sampling/sequence_ess``: :func:`effective_sample_size` of the sequence ratios.
     """
     real = mask.bool()
-    d = (old_logprobs - sampler_logprobs).detach().double()
-    token_ratio = torch.exp(d[real])
-    seq_ratio = torch.exp((d * real).sum(1))
-    beyond = lambda r: float(((r > cap) | (r < 1.0 / cap)).double().mean())
-    return {"sampling_logp_difference/mean": float(d[real].abs().mean()),
-            "sampling_logp_difference/max": float(d[real].abs().max()),
-            "token_ratio_std": float(token_ratio.std()) if token_ratio.numel() > 1 else 0.0,
-            "token_beyond_cap": beyond(token_ratio), "sequence_beyond_cap": beyond(seq_ratio),
-            "sequence_ess": effective_sample_size(seq_ratio)}
+    d = (old_logprobs.detach() - sampler_logprobs.detach()).double()
+    gaps = d[real]
+    token_ratio = torch.exp(gaps)
+    seq_ratio = torch.exp(torch.where(real, d, torch.zeros_like(d)).sum(1))
+    stats = {"sampling/sampling_logp_difference/mean": float(gaps.abs().mean()) if gaps.numel() else 0.0,
+             "sampling/sampling_logp_difference/max": float(gaps.abs().max()) if gaps.numel() else 0.0,
+             "sampling/kl": float(-gaps.mean()) if gaps.numel() else 0.0,
+             "sampling/token_ratio_std": float(token_ratio.std()) if token_ratio.numel() > 1 else 0.0,
+             "sampling/token_above_cap": float((token_ratio > cap).double().mean()) if gaps.numel() else 0.0,
+             "sampling/sequence_above_cap": float((seq_ratio > cap).double().mean()),
+             "sampling/sequence_ess": effective_sample_size(seq_ratio)}
+    if weights is not None:
+        flat = weights.detach().reshape(-1) if weights.shape[-1] == 1 else weights.detach()[real]
+        if flat.numel():
+            stats.update({"sampling/importance_sampling_ratio/min": float(flat.min()),
+                          "sampling/importance_sampling_ratio/mean": float(flat.mean()),
+                          "sampling/importance_sampling_ratio/max": float(flat.max())})
+    return stats
