@@ -25,7 +25,7 @@ STAMP := $(VENV)/.rlcourse-installed
 # JupyterLab refuses to start as root unless told it may.
 ROOT_FLAG := $(shell [ "$$(id -u)" = "0" ] && echo --allow-root)
 
-.PHONY: lab test env notebooks exercises bench clean
+.PHONY: lab test env notebooks exercises bench book clean
 
 env: $(STAMP)
 
@@ -57,6 +57,11 @@ exercises: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m rlcourse.bench
+
+# The course as a static website in _build/html, from the committed notebooks (nothing re-run,
+# nothing downloaded), then checked: see rlcourse/tools/book.py. Publish _build/html anywhere.
+book: $(STAMP)
+	$(BIN)/python -m rlcourse.tools.book
 
 clean:
 	rm -rf $(VENV)

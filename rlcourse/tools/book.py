@@ -1,20 +1,23 @@
 """The course as a static website: ``make book`` (``python -m rlcourse.tools.book``).
 
-The site is built from the committed, executed notebooks, without running them, and without the
-network: Sphinx with MyST-NB and the Sphinx Book Theme, and MathJax 2 from the
-``jupyter-server-mathjax`` package copied next to the pages (so the maths renders offline too).
+Built from the committed, executed notebooks without running them, and without the network:
+Sphinx with MyST-NB and the Sphinx Book Theme; MathJax 3 comes from the ``django-static-mathjax``
+wheel (MathJax's own files, no Django needed) and is copied next to the pages, so the maths also
+renders where there is no network. Three steps:
 
-1. ``stage``: copy the README (the landing page), CONTRIBUTING.md, BENCHMARKS.md, ``course/*.ipynb``
-   and ``exercises/*.ipynb`` into ``_build/src``. Each notebook gets a banner under its title (where it
-   lives, how to run it), and its widget outputs are replaced by what they showed when the notebook
-   was run: a static page cannot run a kernel.
-2. ``build``: ``sphinx-build`` into ``_build/html``; any Sphinx warning fails the build.
-3. ``check_site``: every page exists, every internal link, anchor and image resolves, no text shows
-   raw ``$...$`` maths or an unrendered LaTeX macro, and no page carries a Python traceback.
+1. :func:`stage`: the README becomes the landing page (with CONTRIBUTING.md and BENCHMARKS.md, which
+   it links to), then every lesson of ``course/`` and every notebook of ``exercises/`` in course
+   order. Each notebook gets a note under its title (where it lives, a download of it, how to run it)
+   and its widgets become what they showed when the notebook ran: a static page has no kernel.
+2. :func:`build`: ``sphinx-build`` into ``_build/html``; any warning fails the build.
+3. :func:`rlcourse.tools.book_check.check_site`: every page exists, in course order along
+   previous/next; every link, anchor and image resolves; every figure of a notebook is on its page;
+   search indexes every page; no page shows raw ``$...$`` maths, a LaTeX macro outside maths, a
+   macro MathJax does not know, or a Python traceback.
 
-Publish ``_build/html`` on any static host (it is plain files; ``index.html`` is the landing page).
-Set ``RLCOURSE_REPO_URL`` (e.g. ``https://github.com/<owner>/rlcourse``) to add a repository button
-and a link from every page to its notebook in the repository.
+``_build/html`` is plain files: publish it on any static host. Set ``RLCOURSE_REPO_URL`` (e.g.
+``https://github.com/<owner>/rlcourse``; by default the ``origin`` remote, when it is one) to link
+every page to its notebook in the repository too, on branch ``RLCOURSE_REPO_BRANCH`` (``main``).
 """
 from __future__ import annotations
 
@@ -30,272 +33,231 @@ import sys
 import time
 from pathlib import Path
 
+from rlcourse.tools.make_exercises import lesson_notebooks
+
 ROOT = Path(__file__).resolve().parents[2]
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+EXTRA_PAGES = ("CONTRIBUTING.md", "BENCHMARKS.md")  # the README links to them
+ORIGINALS = "_notebooks"  # the committed notebooks, offered as downloads (not pages)
 
-# Pages besides the notebooks, copied as they are (the README's links point at them).
-EXTRA_PAGES = ("CONTRIBUTING.md", "BENCHMARKS.md")
-
-# The whole Sphinx configuration; the generated conf.py only imports it.
+# The whole configuration of the site; the generated conf.py only imports it.
 SPHINX_CONFIG = {
     "project": "rlcourse",
     "author": "the rlcourse authors",
     "copyright": "the rlcourse authors",
     "extensions": ["myst_nb", "sphinx.ext.mathjax"],
     "root_doc": "index",
-    "exclude_patterns": ["_build"],
+    "exclude_patterns": ["_build", ORIGINALS],
     "nb_execution_mode": "off",  # the committed outputs are the page; nothing is re-run
     "nb_merge_streams": True,
+    "nb_render_markdown_format": "myst",  # maths in a cell's Markdown output renders too
     "myst_enable_extensions": ["dollarmath", "amsmath", "colon_fence"],
-    "myst_heading_anchors": 3,
+    "myst_heading_anchors": 3,  # the README's links to BENCHMARKS.md#section resolve
     "html_theme": "sphinx_book_theme",
     "html_title": "rlcourse",
     "html_static_path": ["_static"],
+    "html_copy_source": False,
+    "html_show_sourcelink": False,
+    "html_last_updated_fmt": None,
     "html_theme_options": {
         "home_page_in_toc": True,
-        "use_download_button": True,
         "show_toc_level": 2,
         "navigation_with_keys": True,
+        "use_download_button": False,  # each notebook page links the committed notebook instead
+        "navbar_persistent": [],  # one search box, in the sidebar (not a second one in a top bar)
     },
-    "html_last_updated_fmt": None,
-    # MathJax 2 from the jupyter-server-mathjax package, copied into _static/mathjax by `build`.
-    "mathjax_path": "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full",
-    "mathjax2_config": {
-        "tex2jax": {"inlineMath": [["\\(", "\\)"]], "displayMath": [["\\[", "\\]"]],
-                    "processEscapes": True, "processRefs": False, "processEnvironments": True,
-                    # MyST-NB marks notebook pages "ignore" and the maths in them "math".
-                    "processClass": "math|output_area|tex2jax_process|mathjax_process",
-                    "ignoreClass": "tex2jax_ignore|mathjax_ignore"},
-        "HTML-CSS": {"availableFonts": [], "webFont": "STIX-Web", "imageFont": None},
-        "SVG": {"font": "STIX-Web"},
-        "messageStyle": "none",
-    },
+    "mathjax_path": "mathjax/tex-mml-chtml.js",  # copied by stage(): no CDN
 }
+MATHJAX_PARTS = ("tex-mml-chtml.js", "input", "output", "ui", "a11y", "adaptors", "sre")
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
-def lesson_notebooks(root: Path = ROOT) -> list[Path]:
-    return sorted((root / "course").glob("*.ipynb"))
+def mathjax_dir() -> Path:
+    """MathJax 3's browser build, as the ``django-static-mathjax`` wheel ships it."""
+    import mathjax
+    return Path(mathjax.__file__).parent / "static" / "mathjax" / "es5"
 
 
-def exercise_notebooks(root: Path = ROOT) -> list[Path]:
-    return sorted((root / "exercises").glob("*.ipynb"))
+def repo_url(root: Path = ROOT) -> str | None:
+    """``RLCOURSE_REPO_URL``, else the ``origin`` remote as an https address (None when neither)."""
+    url = os.environ.get("RLCOURSE_REPO_URL")
+    if url is None:
+        run = subprocess.run(["git", "-C", str(root), "remote", "get-url", "origin"],
+                             capture_output=True, text=True)
+        url = run.stdout.strip() if run.returncode == 0 else ""
+    url = re.sub(r"^git@([^:]+):", r"https://\1/", url).removesuffix(".git").rstrip("/")
+    return url if url.startswith(("https://", "http://")) else None
 
 
 # ----------------------------------------------------------------------------- widgets, made static
 
-def _strip_tags(text: str) -> str:
-    return html.unescape(re.sub(r"<[^>]+>", "", text)).replace("\u2007", " ").strip()
-
-
-def _models(nb: dict) -> dict:
-    return nb.get("metadata", {}).get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
-
-
-def _walk(models: dict, model_id: str):
-    """The widget models of one displayed widget, depth first."""
-    model = models.get(model_id)
-    if model is None:
-        return
-    yield model
-    for child in model.get("state", {}).get("children", []):
-        yield from _walk(models, str(child).removeprefix("IPY_MODEL_"))
+def _widget_models(nb: dict, model_id: str) -> list[dict]:
+    """The saved models of one displayed widget and of its children, depth first."""
+    models = nb.get("metadata", {}).get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    found, todo = [], [model_id]
+    while todo:
+        model = models.get(todo.pop(0))
+        if model is not None:
+            found.append(model)
+            todo[:0] = [str(c).removeprefix("IPY_MODEL_") for c in model["state"].get("children", [])]
+    return found
 
 
 def _knob(model: dict) -> str | None:
-    name, state = model["model_name"], model.get("state", {})
+    """'γ from 0 to 0.99' for a slider; the label of any other control; None for the rest."""
+    name, state = model["model_name"], model["state"]
     if not name.endswith(("SliderModel", "DropdownModel", "ToggleButtonsModel", "CheckboxModel")):
         return None
-    label = state.get("description") or "knob"
+    label = state.get("description") or "a knob"
     if "min" in state and "max" in state:
         lo, hi = state["min"], state["max"]
         if name.startswith("FloatLog"):
-            base = state.get("base", 10)
-            lo, hi = f"{base}^{lo:g}", f"{base}^{hi:g}"
-            return f"{label} from {lo} to {hi}"
+            return f"{label} from {state.get('base', 10):g}^{lo:g} to {state.get('base', 10):g}^{hi:g}"
         return f"{label} from {lo:g} to {hi:g}"
     return label
 
 
-def static_widget_outputs(nb: dict, output: dict) -> list[dict]:
-    """What one widget output showed when the notebook ran, as ordinary outputs.
+def _text(html_value: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", html_value)).replace("\u2007", " ").strip()
 
-    A progress bar (tqdm: an HBox of HTML, FloatProgress, HTML) becomes its final line of text. An
-    explorer (an ``interactive`` VBox of sliders and an Output) becomes a note naming its knobs;
-    the static picture of its default setting is already the next output of its cell
-    (:class:`rlcourse.widgets.Explorer` draws it).
+
+def static_outputs(nb: dict, outputs: list[dict]) -> list[dict]:
+    """A cell's outputs with each widget replaced by what it showed when the notebook ran.
+
+    A progress bar (tqdm: an HBox of HTML, FloatProgress, HTML) becomes its last line as text. An
+    explorer (sliders and an Output in an ``interactive`` box) becomes a note naming its knobs and
+    saying they turn in JupyterLab; :class:`rlcourse.widgets.Explorer` has already put the picture
+    of its default setting among the next outputs.
     """
-    model_id = output["data"][WIDGET_VIEW]["model_id"]
-    models = list(_walk(_models(nb), model_id))
-    if not models:
-        return [_markdown("*An interactive widget: it runs in JupyterLab (`make lab`).*")]
-    knobs = [k for k in map(_knob, models) if k]
-    if knobs:
-        return [_markdown("*Interactive in JupyterLab (`make lab`): " + "; ".join(knobs)
-                          + ". A static page cannot turn them; the picture below is the default setting.*")]
-    if any(m["model_name"] in ("FloatProgressModel", "IntProgressModel") for m in models):
-        texts = [_strip_tags(m["state"].get("value", "")) for m in models if m["model_name"] == "HTMLModel"]
-        return [{"output_type": "stream", "name": "stderr", "text": " ".join(t for t in texts if t) + "\n"}]
-    outputs = [o for m in models if m["model_name"] == "OutputModel" for o in m["state"].get("outputs", [])]
-    return outputs or [_markdown("*An interactive widget: it runs in JupyterLab (`make lab`).*")]
-
-
-def _markdown(text: str) -> dict:
-    return {"output_type": "display_data", "metadata": {}, "data": {"text/markdown": text}}
+    static = []
+    for output in outputs:
+        if WIDGET_VIEW not in output.get("data", {}):
+            static.append(output)
+            continue
+        models = _widget_models(nb, output["data"][WIDGET_VIEW]["model_id"])
+        names = [m["model_name"] for m in models]
+        knobs = [k for k in map(_knob, models) if k]
+        if knobs:
+            text = ("**A widget:** in JupyterLab (`make lab`) you turn its knobs (" + "; ".join(knobs)
+                    + "). A static page cannot run it: below is the picture of its default setting.")
+        elif "FloatProgressModel" in names or "IntProgressModel" in names:
+            parts = [_text(m["state"].get("value", "")) for m in models if m["model_name"] == "HTMLModel"]
+            percent = re.search(r"(\d+)%$", parts[0]) if parts else None
+            bar = "█" * round(int(percent.group(1)) / 5) if percent else ""
+            static.append({"output_type": "display_data", "metadata": {}, "data": {
+                "text/plain": f"{parts[0] if parts else ''}|{bar:<20}|{' '.join(parts[1:])}"}})
+            continue
+        elif "OutputModel" in names:
+            static += [o for m in models if m["model_name"] == "OutputModel"
+                       for o in m["state"].get("outputs", [])]
+            continue
+        else:
+            text = "**A widget:** it runs in JupyterLab (`make lab`), not on a static page."
+        static.append({"output_type": "display_data", "metadata": {}, "data": {"text/markdown": text}})
+    return static
 
 
 # ----------------------------------------------------------------------------- staging
 
-def _banner(rel: Path, repo_url: str | None) -> dict:
-    where = f"[in the repository]({repo_url}/blob/main/{rel.as_posix()})" if repo_url else \
-        f"{{download}}`download it <{rel.name}>`"
-    kind = "exercise notebook" if rel.parts[0] == "exercises" else "lesson"
-    text = (":::{note}\n"
-            f"This {kind} is the notebook `{rel.as_posix()}` ({where}), shown with the outputs of its "
-            "committed run. To run it yourself, turn its widgets and grade the exercises, clone the "
-            "repository and run `make lab`; `make test` runs every test "
-            "(see [the two commands](../index.md)).\n:::")
+def _banner(rel: Path, url: str | None) -> dict:
+    download = f"{{download}}`download it <../{ORIGINALS}/{rel.as_posix()}>`"
+    where = f"[`{rel.as_posix()}`]({url}/blob/{os.environ.get('RLCOURSE_REPO_BRANCH', 'main')}/" \
+            f"{rel.as_posix()}) in the repository ({download})" if url else \
+        f"`{rel.as_posix()}` in the repository ({download})"
+    if rel.parts[0] == "exercises":
+        what = (f"These exercises are the notebook {where}. Write each function in JupyterLab and "
+                "run the check cell under it: here the cells are shown as you get them, unrun.")
+    else:
+        what = (f"This lesson is the notebook {where}, shown with the outputs of its committed run "
+                "(widgets as a static picture of their default setting).")
+    text = (f":::{{note}}\n{what} To run it: clone the repository, then `make lab` opens the course "
+            "in JupyterLab and `make test` runs every test ([how to run it](../index.md)).\n:::")
     return {"cell_type": "markdown", "id": "book-banner", "metadata": {}, "source": text}
 
 
-def stage_notebook(src: Path, dest: Path, rel: Path, repo_url: str | None = None) -> None:
-    """Copy one notebook for the site: a banner under its title, widget outputs made static."""
+def stage_notebook(src: Path, dest: Path, rel: Path, url: str | None = None) -> None:
+    """Copy one notebook for the site: the note under its title, widget outputs made static."""
     nb = json.loads(src.read_text())
     out = copy.deepcopy(nb)
     for cell in out["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        outputs = []
-        for o in cell.get("outputs", []):
-            if WIDGET_VIEW in o.get("data", {}):
-                outputs.extend(static_widget_outputs(nb, o))
-            else:
-                outputs.append(o)
-        cell["outputs"] = outputs
-    first_title = next((i for i, c in enumerate(out["cells"]) if c["cell_type"] == "markdown"), -1)
-    out["cells"].insert(first_title + 1, _banner(rel, repo_url))
+        if cell["cell_type"] == "code":
+            cell["outputs"] = static_outputs(nb, cell.get("outputs", []))
+    first_markdown = next((i for i, c in enumerate(out["cells"]) if c["cell_type"] == "markdown"), -1)
+    out["cells"].insert(first_markdown + 1, _banner(rel, url))
     out["metadata"].pop("widgets", None)
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(out, indent=1, ensure_ascii=False))
 
 
-def _index_page(readme: str, lessons: list[Path], exercises: list[Path]) -> str:
-    def toctree(caption: str, paths: list[str]) -> str:
-        return "\n```{toctree}\n:hidden:\n:caption: " + caption + "\n\n" + "\n".join(paths) + "\n```\n"
-    return (readme
-            + toctree("Lessons", [f"course/{p.stem}" for p in lessons])
-            + toctree("Exercises", [f"exercises/{p.stem}" for p in exercises])
-            + toctree("About", [Path(p).stem for p in EXTRA_PAGES]))
+def site_pages(root: Path = ROOT) -> list[str]:
+    """The site's pages (Sphinx document names) in reading order, as previous/next walks them."""
+    lessons = [f"course/{p.stem}" for p in lesson_notebooks(root / "course")]
+    exercises = [f"exercises/{p.stem}" for p in lesson_notebooks(root / "exercises")]
+    return ["index"] + lessons + exercises + [Path(p).stem for p in EXTRA_PAGES]
 
 
-def stage(src_dir: Path, root: Path = ROOT, repo_url: str | None = None) -> None:
+def stage(src_dir: Path, root: Path = ROOT, url: str | None = None) -> None:
     """Write the Sphinx source tree of the site into ``src_dir``."""
     if src_dir.exists():
         shutil.rmtree(src_dir)
     src_dir.mkdir(parents=True)
-    lessons, exercises = lesson_notebooks(root), exercise_notebooks(root)
-    for nb in lessons + exercises:
-        rel = nb.relative_to(root)
-        stage_notebook(nb, src_dir / rel, rel, repo_url)
-    for page in EXTRA_PAGES:
-        shutil.copy(root / page, src_dir / page)
-    (src_dir / "index.md").write_text(_index_page((root / "README.md").read_text(), lessons, exercises))
-    (src_dir / "conf.py").write_text(
-        "# Generated by rlcourse.tools.book: the configuration lives there.\n"
-        "from rlcourse.tools.book import sphinx_config\n\nglobals().update(sphinx_config())\n")
-    mathjax = Path(__import__("jupyter_server_mathjax").__file__).parent / "static"
-    shutil.copytree(mathjax, src_dir / "_static" / "mathjax")
+    pages = site_pages(root)
+    notebooks = [Path(p + ".ipynb") for p in pages if p.startswith(("course/", "exercises/"))]
+    for rel in notebooks:
+        stage_notebook(root / rel, src_dir / rel, rel, url)
+        (src_dir / ORIGINALS / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / rel, src_dir / ORIGINALS / rel)
+    for page in EXTRA_PAGES:  # the README is the site's index page
+        (src_dir / page).write_text((root / page).read_text().replace("](README.md", "](index.md"))
+
+    def toctree(caption: str, folder: str) -> str:
+        docs = [p for p in pages if p.startswith(folder)] if folder else \
+            [Path(p).stem for p in EXTRA_PAGES]
+        return f"\n```{{toctree}}\n:hidden:\n:caption: {caption}\n\n" + "\n".join(docs) + "\n```\n"
+    (src_dir / "index.md").write_text((root / "README.md").read_text() + toctree("Lessons", "course/")
+                                      + toctree("Exercises", "exercises/") + toctree("About", ""))
+    (src_dir / "conf.py").write_text("# Generated by rlcourse.tools.book, where the configuration "
+                                     "lives.\nfrom rlcourse.tools.book import SPHINX_CONFIG\n\n"
+                                     "globals().update(SPHINX_CONFIG)\n")
+    (src_dir / "_static" / "mathjax").mkdir(parents=True)
+    for part in MATHJAX_PARTS:
+        copy_part = shutil.copytree if (mathjax_dir() / part).is_dir() else shutil.copy
+        copy_part(mathjax_dir() / part, src_dir / "_static" / "mathjax" / part)
 
 
-def sphinx_config() -> dict:
-    config = copy.deepcopy(SPHINX_CONFIG)
-    repo_url = os.environ.get("RLCOURSE_REPO_URL")
-    if repo_url:
-        config["html_theme_options"].update(repository_url=repo_url, use_repository_button=True)
-    return config
-
-
-def build(out_dir: Path = ROOT / "_build", root: Path = ROOT, quiet: bool = True) -> Path:
-    """Stage and build the site; returns the html folder. Raises if Sphinx printed any warning."""
+def build(out_dir: Path = ROOT / "_build", root: Path = ROOT) -> Path:
+    """Stage and build the site; returns its html folder. Raises if Sphinx printed any warning."""
     src, html_dir = out_dir / "src", out_dir / "html"
-    stage(src, root, os.environ.get("RLCOURSE_REPO_URL"))
+    stage(src, root, repo_url(root))
     if html_dir.exists():
         shutil.rmtree(html_dir)
-    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-E",
-           "-d", str(out_dir / "doctrees"), str(src), str(html_dir)] + (["-q"] if quiet else [])
+    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-E", "-q",
+           "-d", str(out_dir / "doctrees"), str(src), str(html_dir)]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode or run.stderr.strip():
-        raise RuntimeError(f"sphinx-build failed or warned (exit {run.returncode}):\n{run.stderr}{run.stdout[-3000:]}")
+        raise RuntimeError(f"sphinx-build warned or failed (exit {run.returncode}):\n"
+                           f"{run.stderr}{run.stdout[-3000:]}")
     return html_dir
-
-
-# ----------------------------------------------------------------------------- checks
-
-_MATH_CLASSES = ("math",)
-_RAW_DOLLAR = re.compile(r"(?<![\\\w])\$[^$\s][^$\n]*\$")
-_MACRO = re.compile(r"\\(frac|sum|mathbb|mathcal|hat|theta|pi|log|nabla|mathbb|text|left|right|begin|end|cdot|sqrt)\b")
-
-
-def _page_text(soup) -> str:
-    """The prose a reader sees, without code, maths, scripts and styles."""
-    for tag in soup(["script", "style", "pre", "code", "textarea"]):
-        tag.decompose()
-    for tag in soup.select(".math, .MathJax, .MathJax_Preview"):
-        tag.decompose()
-    return soup.get_text(" ")
-
-
-def check_site(html_dir: Path, root: Path = ROOT) -> list[str]:
-    """Every problem found in the built site, as sentences (empty when the site is sound)."""
-    from bs4 import BeautifulSoup
-
-    problems = []
-    expected = [html_dir / "index.html"]
-    expected += [html_dir / "course" / f"{p.stem}.html" for p in lesson_notebooks(root)]
-    expected += [html_dir / "exercises" / f"{p.stem}.html" for p in exercise_notebooks(root)]
-    expected += [html_dir / f"{Path(p).stem}.html" for p in EXTRA_PAGES]
-    problems += [f"missing page {p.relative_to(html_dir)}" for p in expected if not p.exists()]
-    pages = [p for p in html_dir.rglob("*.html") if "_static" not in p.parts]
-    ids: dict[Path, set] = {}
-    soups = {}
-    for page in pages:
-        soups[page] = BeautifulSoup(page.read_text(), "html.parser")
-        ids[page] = {t.get("id") for t in soups[page].find_all(id=True)}
-    for page in pages:
-        soup, name = soups[page], page.relative_to(html_dir)
-        for tag, attr in (("a", "href"), ("img", "src"), ("link", "href"), ("script", "src")):
-            for t in soup.find_all(tag):
-                url = t.get(attr)
-                if not url or re.match(r"^(https?:|mailto:|javascript:|data:)", url):
-                    continue
-                path, _, fragment = url.partition("#")
-                target = (page.parent / path.split("?")[0]).resolve() if path else page.resolve()
-                if not target.exists():
-                    problems.append(f"{name}: <{tag} {attr}={url!r}> points at nothing")
-                elif fragment and target.suffix == ".html" and target in ids and fragment not in ids[target]:
-                    problems.append(f"{name}: link {url!r} names an anchor its page does not have")
-        if "Traceback (most recent call last)" in page.read_text() or soup.select(".output.traceback"):
-            problems.append(f"{name}: shows a Python traceback")
-        text = _page_text(BeautifulSoup(page.read_text(), "html.parser"))
-        for pattern, what in ((_RAW_DOLLAR, "raw $...$ maths"), (_MACRO, "an unrendered LaTeX macro")):
-            hit = pattern.search(text)
-            if hit:
-                problems.append(f"{name}: shows {what}: {text[max(0, hit.start() - 40):hit.end() + 40]!r}")
-    return problems
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "_build", help="build folder (default _build/)")
     args = parser.parse_args(argv)
+    from rlcourse.tools.book_check import check_site
+
     start = time.perf_counter()
-    html_dir = build(args.out, quiet=True)
+    try:
+        html_dir = build(args.out)
+    except RuntimeError as error:
+        print(error, file=sys.stderr)
+        return 1
     problems = check_site(html_dir)
     for p in problems:
         print("PROBLEM:", p)
-    pages = sum(1 for _ in html_dir.rglob("*.html"))
-    print(f"built {html_dir} ({pages} html files) in {time.perf_counter() - start:.0f} s; "
-          f"{len(problems)} problems. Open {html_dir / 'index.html'} or publish the folder on any static host.")
+    print(f"built {len(site_pages())} pages into {html_dir} in {time.perf_counter() - start:.0f} s; "
+          f"{len(problems)} problems. Open {html_dir / 'index.html'}, or publish the folder on any "
+          "static host.")
     return 1 if problems else 0
 
 
