@@ -1,0 +1,275 @@
+"""Checks for lesson 10c (off-policy RL for language models).
+
+* :func:`check_sampler_weights` - TRL's importance weight ``pi_old / mu`` in its four modes with both
+  bounds (mistakes caught: the ratio inverted, the bounds applied to the log-ratio before
+  exponentiating, tokens masked instead of sequences, the sequence ratio as a mean of log-ratios,
+  truncation where masking is asked and the reverse, the lower bound ignored, the padding's junk
+  let in, a NaN sampler log-prob let through, the wrong shape, a weight that carries a gradient);
+* :func:`check_off_policy_mask` - DeepSeek-V3.2's off-policy sequence mask (mistakes caught: the
+  advantage's sign ignored, ``A = 0`` dropped, the divergence taken the other way, a sum or a mean
+  over the padded width instead of the mean over real tokens, a strict inequality at the
+  threshold, a mask per token, the padding's junk let in);
+* :func:`check_mismatch_correction` - an experiment: the learner's own runs under a 3-bit sampler
+  must show the mismatch costing accuracy, and the correction settings they chose must win back
+  at least half of it.
+
+The weights and the mask are compared with :mod:`rlcourse.losses.off_policy`, which
+``tests/test_trl_parity_off_policy.py`` holds to TRL 1.16's ``GRPOTrainer`` on fixed inputs.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from rlcourse.grading._core import assert_close, call_unmutated, fail, fail_if_mistake, passed, references, to_numpy
+
+__all__ = ["check_sampler_weights", "check_off_policy_mask", "check_mismatch_correction"]
+
+MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# (clip_min, clip_max): TRL's default, both bounds, a lower bound alone, a tight upper bound.
+BOUNDS = [(None, 3.0), (0.5, 2.0), (0.8, None), (None, 1.5)]
+
+
+def _batches(seed: int):
+    """(case, old, sampler, mask): lesson 10's ragged loss cases (padding holding nan, inf and 7, log-prob
+    gaps of about 0.4 nats per token, so sequence ratios reach past 3), read as pi_old and mu, and one
+    of them again with a NaN sampler log-prob on a real token."""
+    from rlcourse.grading.lesson10 import _loss_cases
+
+    out = [(case, old, sampler, mask) for case, old, sampler, _, _, mask in _loss_cases(seed)]
+    case, old, sampler, mask = out[-1]
+    sampler = sampler.clone()
+    sampler[0, 2] = float("nan")
+    out.append((case + ", with a NaN sampler log-prob on a real token (row 0, column 2)", old, sampler, mask))
+    return out
+
+
+def _outside(values: torch.Tensor, lo, hi) -> torch.Tensor:
+    """Where ``values`` leave ``[lo, hi]`` (a bound of None is no bound)."""
+    return (values < (-math.inf if lo is None else lo)) | (values > (math.inf if hi is None else hi))
+
+
+def _bounded(ratio: torch.Tensor, lo, hi, truncation: bool) -> torch.Tensor:
+    """``ratio`` clamped into ``[lo, hi]`` (truncation), or set to 0 outside it (masking)."""
+    if truncation:
+        return ratio if (lo, hi) == (None, None) else ratio.clamp(min=lo, max=hi)
+    return ratio.masked_fill(_outside(ratio, lo, hi), 0.0)
+
+
+def _shown_bounds(clip_min, clip_max) -> str:
+    return f"clip_min={clip_min}, clip_max={clip_max}"
+
+
+@references("rlcourse.losses.off_policy:sampler_importance_weights")
+def check_sampler_weights(fn) -> None:
+    """``fn(old_logprobs, sampler_logprobs, mask, mode, clip_min, clip_max)``: TRL's ``importance_sampling_ratio``,
+    ``(B, T)`` for the ``token_*`` modes and ``(B, 1)`` for the ``sequence_*`` modes, a constant."""
+    __tracebackhide__ = True
+    from rlcourse.losses.off_policy import sampler_importance_weights as reference
+
+    name = "check_sampler_weights"
+    n = 0
+    for case, old, sampler, mask in _batches(1010):
+        real = mask.bool()
+        zero = torch.zeros_like(old)
+        d = torch.nan_to_num(torch.where(real, old - sampler, zero), nan=0.0)    # TRL's log-ratio, 0 off the mask
+        for mode in MODES:
+            for clip_min, clip_max in BOUNDS:
+                label = f"{case}, mode={mode!r}, {_shown_bounds(clip_min, clip_max)}"
+                sequence = mode.startswith("sequence")
+                truncate = mode.endswith("truncate")
+                mine = old.clone().requires_grad_()
+                got = call_unmutated(name, label, fn, mine, sampler, mask, "".join(mode), clip_min, clip_max)
+                expected = reference(old, sampler, mask, mode, clip_min, clip_max)
+                if isinstance(got, torch.Tensor) and got.requires_grad:
+                    fail(name, label, "a weight without a gradient (a constant)", "a tensor that requires grad",
+                         "the weight multiplies the loss as a constant: compute it from detached log-probs")
+                level = (lambda x: x.sum(1, keepdim=True)) if sequence else (lambda x: x)
+                lengths = mask.sum(1, keepdim=True).to(old.dtype)
+                mistakes = [
+                    (_bounded(level(-d).exp(), clip_min, clip_max, truncate),
+                     "the weight corrects samples drawn from mu toward pi_old: it is pi_old / mu, "
+                     "exp(old_logprobs - sampler_logprobs), not mu / pi_old"),
+                    (level(d).clamp(min=clip_min, max=clip_max).exp() if truncate else
+                     level(d).exp().masked_fill(_outside(level(d), clip_min, clip_max), 0.0),
+                     "the bounds apply to the ratio, after exponentiating: min(exp(d), clip_max), not exp(min(d, clip_max))"),
+                    (_bounded(level(d).exp(), clip_min, clip_max, not truncate),
+                     "truncate clamps the ratio into [clip_min, clip_max]; mask sets a ratio outside it to 0 and "
+                     "leaves the others as they are"),
+                ]
+                if clip_min is not None:
+                    mistakes.append((_bounded(level(d).exp(), None, clip_max, truncate),
+                                     "clip_min bounds the ratio from below (truncate: raise it to clip_min; mask: "
+                                     "set it to 0)"))
+                if sequence:
+                    mistakes.append((_bounded((level(d) / lengths).exp(), clip_min, clip_max, truncate),
+                                     "the sequence ratio is pi_old(y) / mu(y), the product of the token ratios: "
+                                     "exp of the sum of the log-ratios, not of their mean"))
+                    token_w = torch.where(real, _bounded(d.exp(), clip_min, clip_max, truncate), zero)
+                    mistakes.append((token_w.sum(1, keepdim=True) / lengths,
+                                     "one weight per sequence, from the sequence's ratio; not an average of token weights"))
+                for value, hint in mistakes:
+                    fail_if_mistake(name, label, expected, got, value, hint)
+                if got is not None and sequence and tuple(np.shape(to_numpy(got))) == tuple(mask.shape):
+                    fail(name, label, f"shape {tuple(expected.shape)}", f"shape {tuple(mask.shape)}",
+                         "a sequence_* mode gives one weight per completion, (B, 1): the sequence is kept, truncated "
+                         "or masked as a whole, not token by token")
+                if got is not None and not sequence and tuple(np.shape(to_numpy(got))) == (mask.shape[0], 1):
+                    fail(name, label, f"shape {tuple(expected.shape)}", f"shape {(mask.shape[0], 1)}",
+                         "a token_* mode gives one weight per token, (B, T)")
+                if got is not None and not np.isfinite(to_numpy(got)).all():
+                    fail(name, label, expected, got, "padding holds nan and inf: take the log-ratio on real tokens "
+                         "only (torch.where(mask.bool(), ..., 0), so a padded position gets weight 1), and a NaN "
+                         "sampler log-prob on a real token counts as a log-ratio of 0 (TRL's convention: no correction)")
+                assert_close(name, label, expected, got, atol=1e-7, rtol=1e-6,
+                             hint="d = old - sampler on real tokens (0 elsewhere, and where NaN); token: exp(d); "
+                                  "sequence: exp(sum_t d); truncate: clamp into [clip_min, clip_max]; mask: 0 outside")
+                n += 1
+    passed(name, n)
+
+
+def _mask_cases():
+    """(case, advantages, logprobs, sampler, mask, threshold)."""
+    gen = torch.Generator().manual_seed(1011)
+    cases = []
+    B, T = 8, 5
+    lengths = torch.tensor([5, 1, 3, 5, 2, 4, 5, 3])
+    mask = (torch.arange(T) < lengths[:, None]).long()
+    logp = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 2 - 0.1
+    gaps = torch.tensor([[0.9, 0.6, 0.2, 0.8, 1.0], [0.7, 0, 0, 0, 0], [0.2, 0.1, 0.0, 0, 0], [0.5, 0.5, 0.5, 0.5, 0.5],
+                         [-0.3, 1.5, 0, 0, 0], [0.6, 0.6, 0.6, 0.6, 0], [0.1, 0.1, 0.1, 0.1, 2.0], [1.0, 1.0, 1.0, 0, 0]],
+                        dtype=torch.float64)
+    sampler = logp + gaps
+    junk = torch.tensor([float("nan"), 9.0, -float("inf"), float("inf")], dtype=torch.float64)
+    fill = junk.repeat(B * T // 4 + 1)[:B * T].view(B, T)
+    logp, sampler = torch.where(mask.bool(), logp, fill), torch.where(mask.bool(), sampler, fill.flip(1))
+    adv = torch.tensor([-1.0, -0.5, -2.0, -1.0, -0.7, 0.0, -0.2, 1.3], dtype=torch.float64)
+    for threshold in (0.5, 0.45, 0.0):
+        cases.append((f"8 completions of lengths {lengths.tolist()} (padding holds nan, inf and 9), threshold "
+                      f"{threshold}; row 3's mean gap is exactly 0.5, row 5 has A = 0", adv, logp, sampler, mask,
+                      threshold))
+    B, T = 6, 7
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)
+    mask = (torch.arange(T) < lengths[:, None]).long()
+    logp = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 3
+    sampler = logp + 0.6 * torch.randn(B, T, generator=gen, dtype=torch.float64).abs()
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    cases.append((f"6 random completions of lengths {lengths.tolist()}, advantages of shape (B, 1), threshold 0.3",
+                  adv[:, None], logp, sampler, mask, 0.3))
+    return cases
+
+
+@references("rlcourse.losses.off_policy:off_policy_sequence_mask")
+def check_off_policy_mask(fn) -> None:
+    """``fn(advantages, logprobs, sampler_logprobs, mask, threshold) -> (B, 1)`` of 0 (drop) and 1 (keep)."""
+    __tracebackhide__ = True
+    from rlcourse.losses.off_policy import off_policy_sequence_mask as reference
+
+    name = "check_off_policy_mask"
+    n = 0
+    for case, adv, logp, sampler, mask, threshold in _mask_cases():
+        got = call_unmutated(name, case, fn, adv, logp, sampler, mask, threshold)
+        expected = reference(adv, logp, sampler, mask, threshold).double()
+        real = mask.bool()
+        a = adv.reshape(-1, 1)
+        gap = torch.where(real, sampler - logp, torch.zeros_like(logp))
+        lengths = mask.sum(1, keepdim=True).double()
+        mean_gap = gap.sum(1, keepdim=True) / lengths
+
+        def keep(pushed_down, divergence, strict=False):
+            far = divergence > threshold if not strict else divergence >= threshold
+            return (~(pushed_down & far)).double()
+
+        mistakes = [
+            (keep(torch.ones_like(a, dtype=torch.bool), mean_gap),
+             "only sequences pushed down (A < 0) are dropped: a sequence with A >= 0 is always kept"),
+            (keep(a <= 0, mean_gap), "A = 0 is not negative: such a sequence is kept"),
+            (keep(a < 0, -mean_gap), "the divergence is of the policy from the sampler, measured on the sampler's "
+                                     "tokens: the mean of log mu - log pi, sampler_logprobs - logprobs"),
+            (keep(a < 0, gap.sum(1, keepdim=True)), "the threshold is in nats per token: average the gap over the "
+                                                    "sequence's real tokens, do not sum it"),
+            (keep(a < 0, gap.sum(1, keepdim=True) / mask.shape[1]),
+             "average over the sequence's real tokens (mask.sum(1)), not over the padded width"),
+            (keep(a < 0, mean_gap, strict=True), "a sequence whose mean gap equals the threshold is kept: drop only "
+                                                 "when it is strictly above"),
+        ]
+        for value, hint in mistakes:
+            fail_if_mistake(name, case, expected, got, value, hint)
+        if got is not None and tuple(np.shape(to_numpy(got))) == tuple(mask.shape):
+            fail(name, case, f"shape {tuple(expected.shape)}", f"shape {tuple(mask.shape)}",
+                 "the mask keeps or drops whole sequences: one value per completion, (B, 1)")
+        if got is not None and not np.isfinite(to_numpy(got)).all():
+            fail(name, case, expected, got, "padding holds nan and inf: leave it out of the sums")
+        assert_close(name, case, expected, got, atol=0, rtol=0,
+                     hint="keep (1) unless A < 0 and mean over real tokens of (sampler_logprobs - logprobs) > "
+                          "threshold; shape (B, 1)")
+        n += 1
+    passed(name, n)
+
+
+# The experiment of exercise 3: sizes stated in the exercise text.
+MISMATCH = {"seeds": list(range(8)), "steps": 50, "bits": 3, "learning_rate": 1e-4, "held_out": 200}
+SETTINGS_KEYS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                 "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max", "off_policy_mask_threshold")
+
+
+def _accuracies(name: str, case: str, got, n: int) -> np.ndarray:
+    __tracebackhide__ = True
+    try:
+        values = np.asarray(to_numpy(got), dtype=float).reshape(-1)
+    except (TypeError, ValueError):
+        fail(name, case, f"a list of {n} held-out accuracies (one per seed)", f"{type(got).__name__}",
+             "return the exact-match rate of each seed's trained policy")
+    if values.shape != (n,) or not ((values >= 0) & (values <= 1)).all():
+        fail(name, case, f"{n} accuracies in [0, 1], one per seed", got,
+             "return [exact_match(trainer.model_of(s), tokenizer, task, prompts) for s in range(8)]")
+    return values
+
+
+def check_mismatch_correction(run, choose) -> None:
+    """``run(settings) -> [held-out exact match of each of the 8 seeds]`` and ``choose() -> settings``.
+
+    ``run(None)`` trains on-policy, ``run({})`` with the 3-bit sampler and no correction, ``run(s)``
+    with the 3-bit sampler and ``PolicyGradientConfig(**s)``'s off-policy settings. Measured: the
+    mismatch must cost the uncorrected run at least 3 points (paired over the seeds), and the chosen
+    settings must win back at least 3 points and at least half of that cost.
+    """
+    __tracebackhide__ = True
+    from rlcourse.lm.policy_gradient import PolicyGradientConfig
+
+    name = "check_mismatch_correction"
+    n = len(MISMATCH["seeds"])
+    settings = choose()
+    if not isinstance(settings, dict) or not set(settings) <= set(SETTINGS_KEYS):
+        fail(name, "the settings chosen", f"a dict whose keys are among {list(SETTINGS_KEYS)}", settings,
+             "TRL's names for the off-policy settings (a misspelt key would be ignored by TRL, and refused by "
+             "PolicyGradientConfig)")
+    try:
+        PolicyGradientConfig(**settings)
+    except ValueError as error:
+        fail(name, "the settings chosen", "settings PolicyGradientConfig accepts", settings, str(error))
+    if not settings.get("vllm_importance_sampling_correction") and settings.get("off_policy_mask_threshold") is None:
+        fail(name, "the settings chosen", "a correction switched on", settings,
+             "vllm_importance_sampling_correction=True applies the mode and its bounds (or set "
+             "off_policy_mask_threshold); without either, the run is the uncorrected one")
+    on = _accuracies(name, "run(None), on-policy", run(None), n)
+    uncorrected = _accuracies(name, "run({}), the 3-bit sampler, uncorrected", run({}), n)
+    cost = 100 * (on - uncorrected)
+    if not cost.mean() >= 3:
+        fail(name, "on-policy minus uncorrected, paired over the 8 seeds",
+             "at least 3 points lost to the 3-bit sampler", f"{cost.mean():+.1f} points (per seed: "
+             f"{np.round(cost, 1).tolist()})",
+             "the mismatch did not reach training: run({}) must sample with CopySampler(lambda m: quantised_copy(m, 3)) "
+             "(sampler=) and run(None) without one, and both must train before they are evaluated")
+    fixed = _accuracies(name, f"run({settings})", run(settings), n)
+    gain = 100 * (fixed - uncorrected)
+    if not (gain.mean() >= 3 and gain.mean() >= 0.5 * cost.mean()):
+        fail(name, f"run({settings}) minus run({{}}), paired over the 8 seeds",
+             f"at least {max(3.0, 0.5 * cost.mean()):.1f} points won back (3, and half of the "
+             f"{cost.mean():.1f} lost)", f"{gain.mean():+.1f} points (per seed: {np.round(gain, 1).tolist()})",
+             "a bound so tight that most tokens or sequences are masked leaves little to learn from; check too "
+             "that run(settings) hands the settings to PolicyGradientConfig")
+    print(f"✔ {name}: the 3-bit sampler cost {cost.mean():.1f} points; your settings won back {gain.mean():.1f} "
+          f"(paired over {n} seeds)")
