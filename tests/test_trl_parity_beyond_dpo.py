@@ -126,7 +126,8 @@ def test_orpo_equals_trl_orpo_trainer(orpo_trainer, beta, seed):
 
 
 def test_orpo_nll_is_the_mean_over_chosen_tokens():
-    """ORPO's NLL term is cross-entropy over every chosen token of the batch: our chosen_nll_loss."""
+    """ORPO's NLL term is cross-entropy over every chosen completion token of the batch: our chosen_nll_loss.
+    (TRL 1.16's ORPOTrainer also counts the prompt's tokens; the paper's eq. 2 and this course do not.)"""
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 5, 9, generator=gen, dtype=torch.float64)
     labels = torch.randint(0, 9, (3, 5), generator=gen)

@@ -61,7 +61,8 @@ class DPOConfig:
     * Lesson 11b (:func:`rlcourse.losses.beyond_dpo.preference_objective`): ``simpo_gamma`` (0.5, TRL's
       ``CPOConfig``; our ``simpo`` is SimPO alone, TRL's ``CPOConfig(loss_type="simpo")`` adds an NLL
       term unless ``cpo_alpha=0``), ``rdpo_alpha`` (0: R-DPO's length term on ``sigmoid``; not a TRL
-      option), ``desirable_weight`` and ``undesirable_weight`` (1, TRL's ``KTOConfig``). Losses that never
+      option), ``desirable_weight`` and ``undesirable_weight`` (1, TRL's ``KTOConfig``). ``orpo``'s NLL
+      covers the chosen completion's tokens (TRL's ``ORPOTrainer`` counts the prompt's tokens too). Losses that never
       read the reference (``simpo``, ``orpo``, ``sft``) keep no reference copy and compute no reference
       log-probs. ``kto`` reads its reference point from mismatched pairs (:func:`kto_mismatched_pairs`):
       one more forward pass per step, without gradient, as TRL's ``KTOTrainer`` makes.

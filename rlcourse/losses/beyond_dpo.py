@@ -86,7 +86,9 @@ def orpo_loss(chosen_avg_logps, rejected_avg_logps, beta: float) -> torch.Tensor
     ORPO minimises ``NLL(y_w) + lambda * mean L_OR``: supervised fine-tuning on the chosen answers
     with a penalty that pushes the rejected answer's odds below the chosen one's. No reference
     model, and no separate SFT stage before it. (TRL's ``ORPOTrainer`` returns ``beta * log
-    sigmoid(...)`` and subtracts its mean from the NLL: the same number.)
+    sigmoid(...)`` and subtracts its mean from the NLL: the same number.) The NLL that
+    :func:`preference_objective` adds is the chosen *completion's* (the paper's eq. 2); TRL 1.16's
+    ``ORPOTrainer`` takes it over the prompt's tokens too, following the authors' code.
     """
     _check_beta(beta)
     return -beta * F.logsigmoid(orpo_log_odds_ratio(chosen_avg_logps, rejected_avg_logps))
