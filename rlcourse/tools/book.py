@@ -66,7 +66,35 @@ SPHINX_CONFIG = {
         "navbar_persistent": [],  # one search box, in the sidebar (not a second one in a top bar)
     },
     "mathjax_path": "mathjax/tex-mml-chtml.js",  # copied by stage(): no CDN
+    "html_js_files": ["fit_equations.js"],
+    "html_css_files": ["wide_column.css"],
 }
+# Between 1200 and 1500 px the theme's two sidebars leave the lesson a column narrower than at
+# 800 px; there the page's contents fold into the button at the top right, as they do below 1200.
+WIDE_COLUMN_CSS = """@media (min-width: 1200px) and (max-width: 1499.98px) {
+  div.bd-sidebar-secondary { display: none; }
+  button.sidebar-toggle.secondary-toggle { display: flex; }
+  .bd-main .bd-content .bd-article-container { max-width: 60em; }
+  dialog.bd-sidebar-secondary[open] { border: 0; height: 100dvh; margin: 0; position: fixed; left: auto; right: 0; top: 0;
+    max-height: 100dvh; max-width: 350px; padding: 2rem 1rem; width: 75%; }
+}
+"""
+# MathJax 3 cannot break a line: a display equation wider than the page's column (at 1280 px the
+# column is narrower than at 800, between the two sidebars) is scaled down to fit, to 60% at most,
+# rather than cut at the column's edge behind a scroll bar the reader may not see.
+FIT_EQUATIONS_JS = """window.addEventListener("load", function () {
+  function fit() {
+    document.querySelectorAll("div.math mjx-container").forEach(function (eq) {
+      eq.dataset.size = eq.dataset.size || parseFloat(eq.style.fontSize) || 100;
+      eq.style.fontSize = eq.dataset.size + "%";
+      var scale = eq.clientWidth / eq.scrollWidth;
+      if (scale < 1) eq.style.fontSize = eq.dataset.size * Math.max(0.6, 0.98 * scale) + "%";
+    });
+  }
+  if (window.MathJax && MathJax.startup) MathJax.startup.promise.then(fit);
+  window.addEventListener("resize", fit);
+});
+"""
 MATHJAX_PARTS = ("tex-mml-chtml.js", "input", "output", "ui", "a11y", "adaptors", "sre")
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
@@ -220,6 +248,8 @@ def stage(src_dir: Path, root: Path = ROOT, url: str | None = None) -> None:
                                      "lives.\nfrom rlcourse.tools.book import SPHINX_CONFIG\n\n"
                                      "globals().update(SPHINX_CONFIG)\n")
     (src_dir / "_static" / "mathjax").mkdir(parents=True)
+    (src_dir / "_static" / "fit_equations.js").write_text(FIT_EQUATIONS_JS)
+    (src_dir / "_static" / "wide_column.css").write_text(WIDE_COLUMN_CSS)
     for part in MATHJAX_PARTS:
         copy_part = shutil.copytree if (mathjax_dir() / part).is_dir() else shutil.copy
         copy_part(mathjax_dir() / part, src_dir / "_static" / "mathjax" / part)
