@@ -66,6 +66,9 @@ SPHINX_CONFIG = {
         "navbar_persistent": [],  # one search box, in the sidebar (not a second one in a top bar)
     },
     "mathjax_path": "mathjax/tex-mml-chtml.js",  # copied by stage(): no CDN
+    # \text{std\_floor} shows "std_floor", as in JupyterLab, not "std\_floor"
+    "mathjax3_config": {"loader": {"load": ["[tex]/textmacros"]},
+                        "tex": {"packages": {"[+]": ["textmacros"]}}},
     "html_js_files": ["fit_equations.js"],
     "html_css_files": ["wide_column.css"],
 }
