@@ -104,6 +104,9 @@ def test_gap_stats_by_hand():
     assert stats["sampling/token_ratio_std"] == pytest.approx(float(torch.tensor([2.0, 0.5, 9.0, 0.5]).std()))
     assert stats["sampling/token_above_cap"] == pytest.approx(0.25)
     assert stats["sampling/sequence_above_cap"] == pytest.approx(0.5)
+    assert stats["sampling/token_outside_cap"] == pytest.approx(0.25)            # 9 only: 2 and 0.5 lie within [1/3, 3]
+    assert stats["sampling/sequence_outside_cap"] == pytest.approx(0.5)
+    assert sampler_gap_stats(OLD, MU, MASK, cap=1.9)["sampling/token_outside_cap"] == pytest.approx(1.0)
     assert stats["sampling/sequence_ess"] == pytest.approx(9.5 ** 2 / (2 * 81.25))
     assert (stats["sampling/importance_sampling_ratio/min"], stats["sampling/importance_sampling_ratio/max"]) == (0.0, 2.0)
     assert stats["sampling/importance_sampling_ratio/mean"] == pytest.approx(0.75)

@@ -159,6 +159,8 @@ def sampler_gap_stats(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor
     * ``sampling/token_ratio_std``: the spread of the token ratios;
     * ``sampling/token_above_cap`` and ``sampling/sequence_above_cap``: the share of tokens and of
       sequences whose ratio exceeds ``cap`` (what ``*_mask`` with ``clip_max=cap`` drops);
+    * ``sampling/token_outside_cap`` and ``sampling/sequence_outside_cap``: the share whose ratio lies
+      outside ``[1 / cap, cap]``, off by more than a factor ``cap`` either way;
     * ``sampling/sequence_ess``: :func:`effective_sample_size` of the sequence ratios.
     """
     real = mask.bool()
@@ -172,6 +174,8 @@ def sampler_gap_stats(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor
              "sampling/token_ratio_std": float(token_ratio.std()) if token_ratio.numel() > 1 else 0.0,
              "sampling/token_above_cap": float((token_ratio > cap).double().mean()) if gaps.numel() else 0.0,
              "sampling/sequence_above_cap": float((seq_ratio > cap).double().mean()),
+             "sampling/token_outside_cap": float(((gaps.abs() > math.log(cap))).double().mean()) if gaps.numel() else 0.0,
+             "sampling/sequence_outside_cap": float((seq_ratio.log().abs() > math.log(cap)).double().mean()),
              "sampling/sequence_ess": effective_sample_size(seq_ratio)}
     if weights is not None:
         flat = weights.detach().reshape(-1) if weights.shape[-1] == 1 else weights.detach()[real]
