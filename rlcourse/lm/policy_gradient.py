@@ -33,12 +33,13 @@ from rlcourse.lm.dynamic_sampling import fill_batch, informative_groups
 from rlcourse.lm.model import frozen_copy
 from rlcourse.lm.logprobs import completion_logits, token_logprobs_from_logits
 from rlcourse.lm.sampling import sample
-from rlcourse.losses import masked_mean
+from rlcourse.losses import entropy_bonus, masked_mean
 from rlcourse.losses.off_policy import (SAMPLER_IS_MODES, check_is_bounds, check_sampler_logprobs,
                                         off_policy_sequence_mask, sampler_gap_stats, sampler_importance_weights)
 from rlcourse.losses.grpo import (LOSS_TYPES, aggregate_loss, batch_mean_advantages, clip_fractions,
                                   group_advantages, importance_weights, leave_one_out_advantages,
                                   moving_average_baseline, per_token_loss, rloo_loss)
+from rlcourse.losses.rlvr import high_entropy_mask, overlong_penalty
 
 __all__ = ["PolicyGradientConfig", "PolicyGradientTrainer", "ADVANTAGE_ESTIMATORS", "advantages", "attach_sampler_logprobs",
            "checked_rewards", "logits_and_logprobs", "loss_and_stats", "draw_metrics"]
@@ -325,15 +326,12 @@ def loss_and_stats(config: PolicyGradientConfig, logits: torch.Tensor, logp: tor
 def _entropy_terms(c: PolicyGradientConfig, logits, logp, old, b: _Batch, per_token, beta: float):
     """Lesson 10b, in TRL's order: keep the policy term only on the top ``top_entropy_quantile`` tokens by
     entropy (:func:`rlcourse.losses.rlvr.high_entropy_mask`; the KL term stays on every token), and the
-    mean entropy over those tokens that ``entropy_coef`` multiplies (:func:`~rlcourse.losses.rlvr.entropy_bonus`)."""
-    from rlcourse.losses.rlvr import entropy_bonus, high_entropy_mask
-
+    mean entropy over those tokens that ``entropy_coef`` multiplies (:func:`rlcourse.losses.entropy_bonus`)."""
     mask = b.loss_mask
-    logp_full = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / c.temperature, dim=-1)
-    entropies = exact_entropy(logp_full)                           # (B, T), with its gradient
+    scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / c.temperature
     keep = mask.bool()
     if c.top_entropy_quantile < 1.0:
-        keep = high_entropy_mask(entropies, mask, c.top_entropy_quantile)
+        keep = high_entropy_mask(exact_entropy(torch.log_softmax(scaled, dim=-1)), mask, c.top_entropy_quantile)
         kl_term = torch.zeros_like(per_token) if beta == 0 else (
             per_token_loss(logp, old, b.advantages, mask, c.loss_type, c.epsilon, c.epsilon_high,
                            c.importance_sampling_level, beta, b.ref_logprobs, c.sapo_temperature_pos,
@@ -342,7 +340,7 @@ def _entropy_terms(c: PolicyGradientConfig, logits, logp, old, b: _Batch, per_to
                              c.importance_sampling_level, 0.0, None, c.sapo_temperature_pos,
                              c.sapo_temperature_neg, c.use_bias_correction_kl))
         per_token = (per_token - kl_term) * keep.to(per_token.dtype) + kl_term
-    return per_token, entropy_bonus(entropies, keep)
+    return per_token, entropy_bonus(scaled, keep) if c.entropy_coef != 0.0 else None
 
 
 def overlong_shaped(c: PolicyGradientConfig, roll, rewards: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -350,8 +348,6 @@ def overlong_shaped(c: PolicyGradientConfig, roll, rewards: torch.Tensor, max_le
     (DAPO's soft overlong punishment, :func:`rlcourse.losses.rlvr.overlong_penalty`; ``|y|`` counts ``<eos>``)."""
     if c.overlong_buffer_len == 0:
         return rewards
-    from rlcourse.losses.rlvr import overlong_penalty
-
     lengths = roll.completion_mask.sum(1).cpu()
     penalty = overlong_penalty(lengths, max_len, min(c.overlong_buffer_len, max_len))
     return rewards + c.overlong_penalty_factor * penalty.to(rewards.device, rewards.dtype)

@@ -3,13 +3,14 @@
 The task is :class:`~rlcourse.lm.tasks.FillerAdditionTask`: ``"12+34="`` answered with "reasoning"
 dots, then the number, ``"..46"``. A completion has a *format* (at most ``budget`` dots, then
 digits, nothing else) and an *answer* (the digits after the dots). Reward functions follow TRL's
-convention, ``f(prompts, completions) -> list[float]``, one reward per completion:
+convention, ``f(prompts, completions, **kwargs) -> list[float]``, one reward per completion (so
+each can be handed to TRL's ``GRPOTrainer(reward_funcs=...)`` as it is):
 
-* :meth:`FillerVerifiers.format_reward`   1 if the completion is ``\\.{0,budget}\\d+``;
+* :meth:`FillerVerifiers.format_reward`   1 if the completion is ``\\.{0,budget}[0-9]+``;
 * :meth:`FillerVerifiers.answer_reward`   1 if :func:`extract_answer` finds exactly the sum;
-* :meth:`FillerVerifiers.lenient_answer_reward`  a verifier with a false positive: it accepts any
-  non-empty *prefix* of the sum, so ``"1"`` passes for ``"12+99="`` (sum ``111``) - the bug of a
-  checker that compares ``target.startswith(answer)``, or only as many characters as were given;
+* :meth:`FillerVerifiers.lenient_answer_reward`  a verifier with a false positive: it compares the
+  answer with the sum digit by digit through ``zip``, which stops at the shorter of the two, so
+  ``"1"`` passes for ``"12+99="`` (sum ``111``), and so does ``"1115"``;
 * :class:`RandomReward`   a coin flip, independent of the completion (a control).
 
 :class:`RewardedTask` is a task whose reward is ``sum_i w_i f_i`` (TRL's ``reward_funcs`` and
@@ -28,19 +29,22 @@ from rlcourse.lm._checks import check_pairs
 
 __all__ = ["extract_answer", "FillerVerifiers", "RandomReward", "RewardedTask", "combine_rewards"]
 
-_ANSWER = re.compile(r"^\.*(\d+)$")
+# [0-9], not \d (which also matches other scripts' digits), and fullmatch, not ^...$ ($ also matches
+# before a final newline).
+_ANSWER = re.compile(r"\.*([0-9]+)")
 
 
 def extract_answer(completion: str) -> str | None:
-    """The digits after the leading dots when the completion is exactly dots then digits, else None.
+    """The digits after the leading dots when the completion is exactly dots then ASCII digits, else None.
 
-    ``"..46" -> "46"``, ``"46" -> "46"``, ``"..4.6" -> None``, ``"..46+" -> None``, ``"..." -> None``.
-    Strict: nothing but dots may come before the number and nothing at all after it.
+    ``"..46" -> "46"``, ``"46" -> "46"``, ``"..046" -> "046"``, ``"..4.6" -> None``, ``"..46+" -> None``,
+    ``"46\n" -> None``, ``"..." -> None``. Strict: nothing but dots may come before the number and
+    nothing at all after it.
     """
     if not isinstance(completion, str):
         raise ValueError(f"completion must be a string, got {type(completion).__name__}")
-    m = _ANSWER.match(completion)
-    return m.group(1) if m and completion.isascii() else None
+    m = _ANSWER.fullmatch(completion)
+    return m.group(1) if m else None
 
 
 class FillerVerifiers:
@@ -51,26 +55,32 @@ class FillerVerifiers:
     """
 
     def __init__(self, task):
+        if not all(hasattr(task, name) for name in ("budget", "answer", "is_right")):
+            raise ValueError(f"task must be a FillerAdditionTask (with budget, answer and is_right), got {task!r}")
         self.task = task
-        self._format = re.compile(r"^\.{0,%d}\d+$" % task.budget)
 
-    def format_reward(self, prompts: list[str], completions: list[str]) -> list[float]:
-        """1 if the completion is at most ``budget`` dots then digits (any digits), else 0."""
+    def format_reward(self, prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+        """1 if the completion is at most ``budget`` dots then ASCII digits (any digits), else 0."""
         check_pairs(prompts, completions)
-        return [float(bool(self._format.match(c)) and c.isascii()) for c in completions]
+        return [float(extract_answer(c) is not None and self.task.split(c)[0] <= self.task.budget) for c in completions]
 
-    def answer_reward(self, prompts: list[str], completions: list[str]) -> list[float]:
+    def answer_reward(self, prompts: list[str], completions: list[str], **kwargs) -> list[float]:
         """1 if the extracted answer is exactly the sum, however many dots came before, else 0."""
         check_pairs(prompts, completions)
         return [float(extract_answer(c) == self.task.answer(p)) for p, c in zip(prompts, completions)]
 
-    def lenient_answer_reward(self, prompts: list[str], completions: list[str]) -> list[float]:
-        """The buggy verifier: 1 if the extracted answer is a non-empty prefix of the sum (false positives)."""
+    def lenient_answer_reward(self, prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+        """The buggy verifier: the answer compared digit by digit with ``zip``, which stops at the shorter string.
+
+        ``all(a == b for a, b in zip(answer, target))`` accepts every answer that is a prefix of the
+        sum (``"4"`` for 46) or has the sum as a prefix (``"467"``): a false positive of the kind a
+        hand-written comparison loop makes. Answers are :func:`extract_answer`'s (strict format).
+        """
         check_pairs(prompts, completions)
         out = []
         for p, c in zip(prompts, completions):
             got = extract_answer(c)
-            out.append(float(got is not None and self.task.answer(p).startswith(got)))
+            out.append(float(got is not None and all(a == b for a, b in zip(got, self.task.answer(p)))))
         return out
 
     def is_right(self, prompts: list[str], completions: list[str]) -> list[bool]:
@@ -93,13 +103,24 @@ class RandomReward:
             raise ValueError(f"p must be in [0, 1], got {p!r}")
         self.p, self.rng = p, np.random.default_rng(seed)
 
-    def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
+    def __call__(self, prompts: list[str], completions: list[str], **kwargs) -> list[float]:
         check_pairs(prompts, completions)
         return (self.rng.random(len(completions)) < self.p).astype(float).tolist()
 
 
 def _name(fn) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _checked_weights(reward_funcs, reward_weights) -> tuple[list, list[float]]:
+    funcs = list(reward_funcs)
+    if not funcs:
+        raise ValueError("reward_funcs must hold at least one function")
+    weights = [1.0] * len(funcs) if reward_weights is None else [float(w) for w in reward_weights]
+    if len(weights) != len(funcs) or not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"reward_weights must hold one finite weight per reward function ({len(funcs)}), got "
+                         f"{reward_weights!r}")
+    return funcs, weights
 
 
 def combine_rewards(reward_funcs, prompts: list[str], completions: list[str],
@@ -113,25 +134,22 @@ def combine_rewards(reward_funcs, prompts: list[str], completions: list[str],
     (``nansum``); here every function applies to every completion, so a None is a bug.
     """
     check_pairs(prompts, completions)
-    funcs = list(reward_funcs)
-    if not funcs:
-        raise ValueError("reward_funcs must hold at least one function")
-    weights = [1.0] * len(funcs) if reward_weights is None else [float(w) for w in reward_weights]
-    if len(weights) != len(funcs) or not all(math.isfinite(w) for w in weights):
-        raise ValueError(f"reward_weights must hold one finite weight per reward function ({len(funcs)}), got "
-                         f"{reward_weights!r}")
+    funcs, weights = _checked_weights(reward_funcs, reward_weights)
     parts, total = {}, torch.zeros(len(completions), dtype=torch.float32)
     for fn, w in zip(funcs, weights):
         name = _name(fn)
         got = fn(prompts, completions)
         got = got.tolist() if isinstance(got, torch.Tensor) else got
-        if got is None or isinstance(got, (str, bytes)) or not hasattr(got, "__len__") or len(got) != len(completions):
-            n = None if got is None or not hasattr(got, "__len__") else len(got)
-            raise ValueError(f"reward function {name!r} returned {n} rewards for {len(completions)} completions: "
+        if got is None or isinstance(got, (str, bytes)) or not hasattr(got, "__len__"):
+            what = "None" if got is None else f"a {type(got).__name__} ({got!r:.40})"
+            raise ValueError(f"reward function {name!r} returned {what}, not a list of {len(completions)} rewards: "
+                             f"it must return one number per completion")
+        if len(got) != len(completions):
+            raise ValueError(f"reward function {name!r} returned {len(got)} rewards for {len(completions)} completions: "
                              f"it must return one number per completion")
         values = []
         for i, v in enumerate(got):
-            ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
+            ok = isinstance(v, (int, float, np.integer, np.floating, np.bool_)) and math.isfinite(v)   # bools too, as TRL
             if not ok:
                 raise ValueError(f"reward function {name!r} returned {v!r} for completion {i} {completions[i]!r} "
                                  f"(prompt {prompts[i]!r}): every reward must be a finite number")
@@ -152,7 +170,7 @@ class RewardedTask:
     def __init__(self, task, reward_funcs, reward_weights=None):
         self.task, self.reward_funcs = task, list(reward_funcs)
         self.reward_weights = None if reward_weights is None else list(reward_weights)
-        combine_rewards(self.reward_funcs, [], [], self.reward_weights)   # checks the weights now
+        _checked_weights(self.reward_funcs, self.reward_weights)   # refuse bad weights now, not at the first step
         self.max_new_tokens = task.max_new_tokens
         self.last_rewards: dict = {}
 

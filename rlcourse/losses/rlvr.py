@@ -1,14 +1,17 @@
 """Pieces of RL on verifiable rewards that are neither an advantage nor a surrogate: length shaping and
-which tokens learn.
+which tokens learn (lesson 10b).
 
 * :func:`overlong_penalty` - DAPO's soft overlong punishment (Yu et al., 2025, arXiv 2503.14476,
   eq. 13), a reward added to each completion by its length;
 * :func:`high_entropy_mask` - the "forking tokens" of Wang et al., 2025 (arXiv 2506.01939): keep only
-  the highest-entropy share of tokens in the policy loss (TRL's ``top_entropy_quantile``);
-* :func:`entropy_bonus` - the mean per-token entropy that TRL's ``entropy_coef`` multiplies.
+  the highest-entropy share of tokens in the policy loss (TRL's ``top_entropy_quantile``).
+
+The entropy bonus that TRL's ``entropy_coef`` multiplies is the mean entropy over the tokens the
+loss acts on, :func:`rlcourse.losses.policy_gradient.entropy_bonus` (lesson 06's, on the logits).
 
 Shapes: ``entropies`` and ``mask`` are ``(B, T)``, one value per completion token; ``lengths`` is
-``(B,)``. ``tests/test_rlvr_losses.py`` and ``tests/test_trl_parity_rlvr.py`` compare each with TRL 1.16.
+``(B,)``. ``tests/test_rlvr_losses.py`` checks them against closed forms and NumPy's quantile, and
+``tests/test_trl_parity_rlvr.py`` the trainer that uses them against TRL 1.16's ``GRPOTrainer``.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 from rlcourse.kl import as_mask
 from rlcourse.returns import check_integer
 
-__all__ = ["overlong_penalty", "high_entropy_mask", "entropy_bonus"]
+__all__ = ["overlong_penalty", "high_entropy_mask"]
 
 
 def overlong_penalty(lengths, max_completion_length: int, overlong_buffer_len: int) -> torch.Tensor:
@@ -64,21 +67,13 @@ def high_entropy_mask(entropies: torch.Tensor, mask, top_entropy_quantile: float
     if not isinstance(entropies, torch.Tensor) or entropies.ndim != 2 or not entropies.is_floating_point():
         raise ValueError(f"entropies must be a (B, T) float tensor, got {getattr(entropies, 'shape', entropies)!r}")
     m = as_mask(mask, entropies)
-    values = entropies.detach()[m].float()
+    # The threshold and the comparison in one dtype: the first token of a prompt's completions has one
+    # entropy for the whole group, so ties at the quantile are common, and a float32 threshold
+    # compared with float64 entropies would drop them.
+    h = entropies.detach().to(torch.promote_types(entropies.dtype, torch.float32))
+    values = h[m]
     if values.numel() == 0:
         return torch.zeros_like(m)
     threshold = torch.quantile(values, 1.0 - rho)
-    return (entropies.detach() * m.to(entropies.dtype) >= threshold) & m
+    return (h >= threshold) & m
 
-
-def entropy_bonus(entropies: torch.Tensor, mask) -> torch.Tensor:
-    """``H_bar = sum_t m_t H_t / max(1, sum_t m_t)``: the mean entropy over the tokens of ``mask``.
-
-    TRL's loss with ``entropy_coef = c`` is ``L_policy - c * H_bar`` whatever the ``loss_type``, with
-    ``mask`` the tokens the policy loss acts on (the high-entropy ones under ``top_entropy_quantile``).
-    Keeps the gradient of ``entropies``.
-    """
-    if not isinstance(entropies, torch.Tensor) or entropies.ndim != 2:
-        raise ValueError(f"entropies must be a (B, T) tensor, got {getattr(entropies, 'shape', entropies)!r}")
-    m = as_mask(mask, entropies).to(entropies.dtype)
-    return (entropies * m).sum() / m.sum().clamp(min=1.0)

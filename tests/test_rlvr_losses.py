@@ -1,0 +1,180 @@
+"""rlcourse.losses.rlvr against closed forms and NumPy's quantile, and the trainer's entropy and length
+knobs against direct computations (TRL parity is in tests/test_trl_parity_rlvr.py)."""
+import numpy as np
+import pytest
+
+import rlcourse  # noqa: F401  (before torch)
+import torch
+
+from rlcourse.lm import Rollout, load_checkpoint
+from rlcourse.lm import policy_gradient
+from rlcourse.lm.policy_gradient import (PolicyGradientConfig, PolicyGradientTrainer, _Batch, logits_and_logprobs,
+                                         loss_and_stats)
+from rlcourse.lm.trl_parity import fixed_completion_batch
+from rlcourse.losses.rlvr import high_entropy_mask, overlong_penalty
+
+
+@pytest.mark.parametrize("L,C,expected", [
+    (10, 4, {0: 0.0, 6: 0.0, 7: -0.25, 8: -0.5, 9: -0.75, 10: -1.0, 11: -1.0, 30: -1.0}),
+    (8, 8, {0: 0.0, 1: -0.125, 4: -0.5, 8: -1.0, 9: -1.0}),
+    (5, 0, {0: 0.0, 5: 0.0, 6: -1.0}),
+    (3, 1, {2: 0.0, 3: -1.0, 4: -1.0}),
+])
+def test_overlong_penalty_is_daposs_piecewise_linear_ramp(L, C, expected):
+    lengths = torch.tensor(list(expected))
+    got = overlong_penalty(lengths, L, C)
+    assert got.dtype == torch.float32
+    assert got.tolist() == pytest.approx(list(expected.values()), abs=1e-7)
+    every = overlong_penalty(torch.arange(0, L + 3), L, C)
+    assert bool((every.diff() <= 0).all()) and float(every.min()) == -1.0 and float(every.max()) == 0.0
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.tensor([3]), 4, 5), r"overlong_buffer_len \(5\) must be <= max_completion_length \(4\)"),
+    ((torch.tensor([3]), 0, 0), "max_completion_length"),
+    ((torch.tensor([3]), 4, -1), "overlong_buffer_len"),
+    ((torch.tensor([3.0]), 4, 2), "lengths must be a 1-D tensor of token counts"),
+    ((torch.tensor([[3]]), 4, 2), "lengths must be a 1-D tensor of token counts"),
+    ((torch.tensor([-1]), 4, 2), "lengths must be a 1-D tensor of token counts"),
+])
+def test_overlong_penalty_refuses_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        overlong_penalty(*args)
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.1, 0.2, 0.5, 0.77, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_high_entropy_mask_keeps_the_tokens_at_or_above_numpys_quantile(rho, dtype):
+    gen = torch.Generator().manual_seed(int(rho * 100))
+    for trial in range(5):
+        B, T = 6, 7
+        entropies = torch.rand(B, T, generator=gen, dtype=torch.float64).to(dtype) * 3
+        entropies[:, 0] = entropies[0, 0]                     # one prompt's first token: ties across the batch
+        mask = (torch.arange(T) < torch.randint(1, T + 1, (B, 1), generator=gen)).long()
+        values = entropies[mask.bool()].double().numpy()
+        threshold = np.quantile(values, 1 - rho, method="linear")
+        expected = (entropies.double().numpy() >= threshold) & mask.bool().numpy()
+        got = high_entropy_mask(entropies, mask, rho)
+        assert got.dtype == torch.bool and not bool((got & ~mask.bool()).any())
+        np.testing.assert_array_equal(got.numpy(), expected)
+        if rho == 1.0:
+            assert torch.equal(got, mask.bool())
+        if rho == 0.0:
+            assert torch.equal(got, (entropies == entropies[mask.bool()].max()) & mask.bool())
+
+
+def test_high_entropy_mask_keeps_ties_at_the_threshold_in_float64():
+    """Four completions of one prompt share their first token's entropy: all four are kept or none."""
+    entropies = torch.tensor([[0.96536605530902, 0.1], [0.96536605530902, 0.2], [0.96536605530902, 2.0],
+                              [0.96536605530902, 0.3]], dtype=torch.float64)
+    got = high_entropy_mask(entropies, torch.ones(4, 2), 0.4)    # the 0.6-quantile falls between two tied values
+    assert got[:, 0].all() and got[2, 1] and not got[[0, 1, 3], 1].any()
+
+
+def test_high_entropy_mask_with_an_empty_mask_keeps_nothing_and_refuses_bad_input():
+    assert not high_entropy_mask(torch.rand(2, 3), torch.zeros(2, 3), 0.2).any()
+    with pytest.raises(ValueError, match=r"top_entropy_quantile must be in \[0, 1\]"):
+        high_entropy_mask(torch.rand(2, 3), torch.ones(2, 3), 1.5)
+    with pytest.raises(ValueError, match="entropies must be a"):
+        high_entropy_mask(torch.rand(6), torch.ones(6), 0.2)
+    with pytest.raises(ValueError, match="mask must have shape"):
+        high_entropy_mask(torch.rand(2, 3), torch.ones(3, 2), 0.2)
+
+
+@pytest.fixture(scope="module")
+def fixed():
+    model, tokenizer = load_checkpoint("addition-partial", device="cpu")
+    model = model.double()
+    rows = [p for p in ["12+34=", "56+78=", "90+12=", "33+44="] for _ in range(4)]
+    b = fixed_completion_batch(model, tokenizer, rows, 5, seed=3)
+    batch = _Batch(b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"],
+                   advantages=b["advantages"], old_logprobs=b["old"], ref_logprobs=b["ref"])
+    return model, tokenizer, rows, b, batch
+
+
+def _loss(model, batch, **settings):
+    config = PolicyGradientConfig(per_device_train_batch_size=16, num_generations=4, max_completion_length=5, **settings)
+    logits, logp = logits_and_logprobs(model, batch, config.temperature)
+    return loss_and_stats(config, logits, logp, batch, 5)[0], logits
+
+
+@pytest.mark.parametrize("loss_type,temperature", [("dapo", 1.0), ("grpo", 0.7)])
+def test_entropy_coef_subtracts_coef_times_the_mean_token_entropy(fixed, loss_type, temperature):
+    model, _, _, _, batch = fixed
+    plain, logits = _loss(model, batch, loss_type=loss_type, temperature=temperature)
+    with_bonus, _ = _loss(model, batch, loss_type=loss_type, temperature=temperature, entropy_coef=0.3)
+    z = logits.detach().numpy() / temperature
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    token_entropy = -(p * np.log(p)).sum(-1)
+    m = batch.loss_mask.numpy().astype(bool)
+    assert float((plain - with_bonus).detach()) == pytest.approx(0.3 * token_entropy[m].mean(), abs=1e-10)
+
+
+def test_top_entropy_quantile_leaves_only_the_kl_on_the_other_tokens(fixed):
+    """d loss / d logp is the policy term's on the kept tokens and beta's k3 term's alone on the others."""
+    model, _, _, b, batch = fixed
+    config = PolicyGradientConfig(per_device_train_batch_size=16, num_generations=4, max_completion_length=5,
+                                  top_entropy_quantile=0.3, beta=0.1)
+    logits, logp = logits_and_logprobs(model, batch, 1.0)
+    logits = logits.detach()
+
+    def grad_of(**settings):
+        x = logp.detach().clone().requires_grad_()
+        loss, _ = loss_and_stats(PolicyGradientConfig(**{**vars(config), **settings}), logits, x, batch, 5)
+        loss.backward()
+        return x.grad
+
+    p = torch.softmax(logits, -1)
+    keep = high_entropy_mask(-(p * p.log()).sum(-1), batch.loss_mask, 0.3)
+    both, kl_only, policy_only = grad_of(), grad_of(top_entropy_quantile=0.0, beta=0.1), grad_of(beta=0.0)
+    real = batch.loss_mask.bool()
+    dropped = real & ~keep
+    assert 0 < int(keep.sum()) < int(real.sum())
+    full_kl = grad_of(top_entropy_quantile=1.0) - grad_of(top_entropy_quantile=1.0, beta=0.0)
+    assert torch.allclose(both[dropped], full_kl[dropped], atol=1e-12)
+    assert torch.allclose(both[keep], (policy_only + full_kl)[keep], atol=1e-12)
+    assert bool((policy_only[dropped] == 0).all()) and policy_only[keep].abs().max() > 1e-4
+    assert kl_only.abs().max() > 0
+
+
+class _FixedTask:
+    max_new_tokens = 5
+
+    def __init__(self, rows, rewards):
+        self.rows, self.rewards = rows, rewards
+
+    def prompts(self, n, rng=None):
+        return self.rows[::4][:n]
+
+    def reward(self, prompts, completions):
+        return self.rewards.clone()
+
+
+@pytest.mark.parametrize("buffer,factor", [(0, 1.0), (2, 1.0), (3, 0.5), (5, 2.0)])
+def test_overlong_shaping_adds_factor_times_the_penalty_of_each_length(fixed, monkeypatch, buffer, factor):
+    model, tokenizer, rows, b, _ = fixed
+    rewards = torch.linspace(0.0, 1.0, 16)
+    roll = Rollout(b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"],
+                   torch.zeros(b["completion_ids"].shape), [""] * 16, list(rows), tokenizer.eos_token_id)
+    monkeypatch.setattr(policy_gradient, "sample", lambda *args, **kwargs: roll)
+    trainer = PolicyGradientTrainer(model, tokenizer, _FixedTask(rows, rewards), PolicyGradientConfig(
+        per_device_train_batch_size=16, num_generations=4, max_completion_length=5, overlong_buffer_len=buffer,
+        overlong_penalty_factor=factor, scale_rewards="none"))
+    batch = trainer.make_batch()
+    lengths = b["completion_mask"].sum(1)
+    start = 5 - buffer
+    penalty = torch.tensor([0.0 if n <= start else (start - n) / buffer for n in lengths.tolist()])
+    assert torch.allclose(batch.rewards, rewards + factor * penalty, atol=1e-6)
+    assert (penalty != 0).any() == (buffer > 0)
+
+
+def test_config_refuses_bad_entropy_and_length_settings():
+    for settings, match in [(dict(top_entropy_quantile=1.2), "top_entropy_quantile must be in"),
+                            (dict(top_entropy_quantile=0.2, loss_type="rloo"), "loss_type='rloo'"),
+                            (dict(entropy_coef=0.1, loss_type="rloo"), "loss_type='rloo'"),
+                            (dict(overlong_buffer_len=-2), "overlong_buffer_len must be an integer >= 0"),
+                            (dict(overlong_buffer_len=2.5), "overlong_buffer_len must be an integer >= 0"),
+                            (dict(overlong_penalty_factor=-1.0), "overlong_penalty_factor >= 0")]:
+        with pytest.raises(ValueError, match=match):
+            PolicyGradientConfig(**settings)

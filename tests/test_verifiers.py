@@ -1,0 +1,155 @@
+"""rlcourse.lm.verifiers against an independent character-by-character oracle over every short string,
+hand-made adversarial completions, and the reward combination's closed form and errors."""
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+import rlcourse  # noqa: F401  (before torch)
+import torch
+
+from rlcourse.lm import FillerAdditionTask
+from rlcourse.lm.policy_gradient import checked_rewards
+from rlcourse.lm.verifiers import FillerVerifiers, RandomReward, RewardedTask, combine_rewards, extract_answer
+
+TASK = FillerAdditionTask()            # budget 3
+V = FillerVerifiers(TASK)
+
+
+def oracle(completion: str, target: str, budget: int) -> dict:
+    """Read the completion one character at a time: leading dots, then ASCII digits to the end."""
+    dots = 0
+    while dots < len(completion) and completion[dots] == ".":
+        dots += 1
+    rest = completion[dots:]
+    parsed = len(rest) > 0 and all(ch in "0123456789" for ch in rest)
+    return {"extract": rest if parsed else None,
+            "format": parsed and dots <= budget,
+            "answer": parsed and rest == target,
+            "lenient": parsed and (target.startswith(rest) or rest.startswith(target)),
+            "strict": parsed and dots <= budget and rest == target}
+
+
+@pytest.mark.parametrize("prompt,alphabet", [("12+34=", ".46 1\n"), ("99+12=", ".1102\u0661")])
+def test_every_short_string_is_judged_as_the_oracle_reads_it(prompt, alphabet):
+    target = TASK.answer(prompt)
+    strings = ["".join(s) for n in range(0, 6) for s in itertools.product(alphabet, repeat=n)]
+    prompts = [prompt] * len(strings)
+    got = {"format": V.format_reward(prompts, strings), "answer": V.answer_reward(prompts, strings),
+           "lenient": V.lenient_answer_reward(prompts, strings), "strict": V.is_right(prompts, strings)}
+    counts = dict.fromkeys(got, 0)
+    for i, s in enumerate(strings):
+        expected = oracle(s, target, TASK.budget)
+        assert extract_answer(s) == expected["extract"], s
+        for name in got:
+            assert bool(got[name][i]) == expected[name], (name, s)
+            counts[name] += expected[name]
+    # every verifier both accepts and rejects strings here, and the lenient one accepts strictly more
+    assert all(0 < c < len(strings) for c in counts.values()), counts
+    assert counts["lenient"] > counts["answer"] >= counts["strict"]
+
+
+ADVERSARIAL = ["46\n", " 46", "46 ", "+46", "046", "4_6", "\u0664\u0666", "\uff14\uff16", "46.0", "..46.", "4", "467",
+               "....46", "..4.6", "", "...", "46+0", "４6"]
+
+
+def test_adversarial_completions_are_rejected_by_the_strict_judge_and_the_answer_reward():
+    prompts = ["12+34="] * len(ADVERSARIAL)
+    assert not any(V.is_right(prompts, ADVERSARIAL))
+    others = [a for a in ADVERSARIAL if a != "....46"]
+    assert not any(V.answer_reward(["12+34="] * len(others), others))
+    assert V.is_right(["12+34="] * 4, ["46", ".46", "..46", "...46"]) == [True] * 4
+    # the lenient verifier's false positives are exactly the prefixes either way
+    assert V.lenient_answer_reward(["12+34="] * 3, ["4", "467", "47"]) == [1.0, 1.0, 0.0]
+
+
+def test_extract_answer_refuses_a_non_string():
+    with pytest.raises(ValueError, match="completion must be a string"):
+        extract_answer(46)
+    with pytest.raises(ValueError, match="FillerAdditionTask"):
+        FillerVerifiers(object())
+
+
+def test_random_reward_is_a_seeded_coin_independent_of_the_completion():
+    first, second = RandomReward(0.3, seed=4), RandomReward(0.3, seed=4)
+    a = first(["1+1="] * 4000, ["2"] * 4000)
+    b = second(["1+1="] * 4000, ["nonsense"] * 4000)
+    assert a == b                                           # the completions play no part
+    assert abs(np.mean(a) - 0.3) < 4 * math.sqrt(0.3 * 0.7 / 4000)
+    assert set(a) == {0.0, 1.0} and a != first(["1+1="] * 4000, ["2"] * 4000)   # a stream, not one draw
+    with pytest.raises(ValueError, match="p must be in"):
+        RandomReward(1.5)
+
+
+def _length(prompts, completions):
+    return [float(len(c)) for c in completions]
+
+
+def _flag(prompts, completions):
+    return [c.startswith(".") for c in completions]           # bools are numbers, as TRL reads them
+
+
+def test_combine_rewards_is_the_weighted_sum_of_each_function():
+    prompts, completions = ["1+2="] * 3, ["3", "..3", ".9"]
+    total, parts = combine_rewards([_length, _flag], prompts, completions, [0.5, -2.0])
+    assert torch.equal(parts["_length"], torch.tensor([1.0, 3.0, 2.0]))
+    assert torch.equal(parts["_flag"], torch.tensor([0.0, 1.0, 1.0]))
+    assert torch.allclose(total, torch.tensor([0.5, -0.5, -1.0]))
+    unweighted, _ = combine_rewards([_length, _flag], prompts, completions)
+    assert torch.allclose(unweighted, torch.tensor([1.0, 4.0, 3.0]))
+
+
+def _returns(value):
+    def reward_with_a_bug(prompts, completions):
+        return [1.0] * (len(completions) - 1) + [value]
+    return reward_with_a_bug
+
+
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf"), -float("inf"), "1", [1.0]])
+def test_a_bad_reward_is_refused_naming_the_function_and_the_completion(value):
+    with pytest.raises(ValueError, match=r"'reward_with_a_bug' returned .* for completion 2 '\.\.7'"):
+        combine_rewards([_length, _returns(value)], ["3+4="] * 3, ["7", "07", "..7"])
+
+
+@pytest.mark.parametrize("result,message", [([1.0], "returned 1 rewards for 3 completions"),
+                                            ([1.0] * 4, "returned 4 rewards for 3 completions"),
+                                            (torch.ones(2), "returned 2 rewards for 3 completions"),
+                                            (None, "returned None, not a list of 3 rewards"),
+                                            ("abc", "returned a str .'abc'., not a list of 3 rewards"),
+                                            (1.0, "returned a float .1.0., not a list of 3 rewards")])
+def test_a_reward_function_returning_the_wrong_number_of_rewards_is_refused(result, message):
+    def miscounted(prompts, completions):
+        return result
+    with pytest.raises(ValueError, match=rf"'miscounted' {message}"):
+        combine_rewards([miscounted], ["3+4="] * 3, ["7", "07", "..7"])
+
+
+@pytest.mark.parametrize("weights,match", [([1.0], "one finite weight per reward function"),
+                                           ([1.0, float("nan")], "one finite weight"), (None, None)])
+def test_reward_weights_are_checked(weights, match):
+    funcs = [_length, _flag]
+    if match is None:
+        with pytest.raises(ValueError, match="at least one function"):
+            combine_rewards([], ["1+2="], ["3"])
+        return
+    with pytest.raises(ValueError, match=match):
+        combine_rewards(funcs, ["1+2="], ["3"], weights)
+    with pytest.raises(ValueError, match=match):
+        RewardedTask(TASK, funcs, weights)
+
+
+def test_rewarded_task_is_the_task_with_the_combined_reward():
+    rewarded = RewardedTask(TASK, [V.format_reward, V.answer_reward], [1.0, 2.0])
+    assert rewarded.max_new_tokens == TASK.max_new_tokens
+    assert rewarded.prompts(5, rng=3) == TASK.prompts(5, rng=3) and rewarded.test_prompts(7) == TASK.test_prompts(7)
+    prompts, completions = ["12+34="] * 4, ["46", "....46", "47", "x"]
+    assert rewarded.reward(prompts, completions).tolist() == [3.0, 2.0, 1.0, 0.0]
+    assert rewarded.last_rewards["answer_reward"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert "format_reward" in repr(rewarded)
+
+
+def test_the_trainer_refuses_a_reward_function_that_returns_none():
+    rewarded = RewardedTask(TASK, [V.format_reward, _returns(None)])
+    with pytest.raises(ValueError, match=r"'reward_with_a_bug' returned None for completion 1 '\.\.46'"):
+        checked_rewards(rewarded, ["12+34="] * 2, ["46", "..46"], "cpu")
