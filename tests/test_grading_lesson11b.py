@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from grading_asserts import grading_tests
-from rlcourse.grading.lesson11b import check_kto_loss, check_online_dpo_pairs, check_simpo_loss
+from rlcourse.grading.lesson11b import check_fit_simpo_policy, check_kto_loss, check_online_dpo_pairs, check_simpo_loss
 
 
 # --- SimPO ------------------------------------------------------------------------------------------
@@ -293,3 +293,77 @@ def test_each_check_has_at_least_six_distinct_wrong_answers():
     assert len({fn.__name__ for _, fn, _ in WRONG}) == len(WRONG)
     for check in (check_simpo_loss, check_kto_loss, check_online_dpo_pairs):
         assert sum(c is check for c, _, _ in WRONG) >= 6
+    assert len(FIT_WRONG) >= 6
+
+
+# --- fitting SimPO on the bandit (an experiment) ----------------------------------------------------
+
+def _fit_simpo(bandit, pairs, lengths, beta, steps=300, lr=0.3, keep_reference=False, use_lengths=True,
+               margin=0.0, swap=False, logits_out=False):
+    logits = bandit.ref_logprobs.clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([logits], lr=lr)
+    p, w, l = pairs["prompt"], pairs["chosen"], pairs["rejected"]
+    if swap:
+        w, l = l, w
+    L = lengths.expand_as(bandit.ref_logprobs) if use_lengths else torch.ones_like(bandit.ref_logprobs)
+    for _ in range(steps):
+        logp = torch.log_softmax(logits, -1)
+        reward = (logp - bandit.ref_logprobs if keep_reference else logp) / L
+        loss = -F.logsigmoid(beta * (reward[p, w] - reward[p, l]) - margin).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return logits.detach() if logits_out else torch.log_softmax(logits.detach(), -1)
+
+
+def fit_simpo_ok(bandit, pairs, lengths, beta):
+    return _fit_simpo(bandit, pairs, lengths, beta)
+
+
+def fit_simpo_ok_lbfgs(bandit, pairs, lengths, beta):          # another optimiser, in float64 throughout
+    logits = bandit.ref_logprobs.clone().requires_grad_(True)
+    optimizer = torch.optim.LBFGS([logits], max_iter=200, line_search_fn="strong_wolfe")
+    p, w, l = pairs["prompt"], pairs["chosen"], pairs["rejected"]
+
+    def closure():
+        optimizer.zero_grad()
+        avg = torch.log_softmax(logits, -1) / lengths
+        loss = F.softplus(-beta * (avg[p, w] - avg[p, l])).mean()
+        loss.backward()
+        return loss
+    optimizer.step(closure)
+    return torch.log_softmax(logits.detach(), -1)
+
+
+def fit_simpo_keeps_reference(bandit, pairs, lengths, beta):
+    return _fit_simpo(bandit, pairs, lengths, beta, keep_reference=True)
+
+
+def fit_simpo_without_lengths(bandit, pairs, lengths, beta):
+    return _fit_simpo(bandit, pairs, lengths, beta, use_lengths=False)
+
+
+def fit_simpo_with_a_margin(bandit, pairs, lengths, beta):
+    return _fit_simpo(bandit, pairs, lengths, beta, margin=1.0)
+
+
+def fit_simpo_swapped(bandit, pairs, lengths, beta):
+    return _fit_simpo(bandit, pairs, lengths, beta, swap=True)
+
+
+def fit_simpo_returns_logits(bandit, pairs, lengths, beta):
+    return _fit_simpo(bandit, pairs, lengths, beta, logits_out=True) + 1.0
+
+
+def fit_simpo_too_few_steps(bandit, pairs, lengths, beta):
+    return _fit_simpo(bandit, pairs, lengths, beta, steps=5)
+
+
+FIT_WRONG = [(check_fit_simpo_policy, fit_simpo_keeps_reference, "nearest to pi* = pi_ref"),
+             (check_fit_simpo_policy, fit_simpo_without_lengths, "every length 1"),
+             (check_fit_simpo_policy, fit_simpo_with_a_margin, "KL(pi_fit || SimPO's optimum) < 0.01"),
+             (check_fit_simpo_policy, fit_simpo_swapped, "KL(pi_fit || SimPO's optimum) < 0.01"),
+             (check_fit_simpo_policy, fit_simpo_returns_logits, "exp sums to 1"),
+             (check_fit_simpo_policy, fit_simpo_too_few_steps, "where the policy started")]
+test_fit_right_answers_pass, test_fit_wrong_answers_fail_with_a_hint = grading_tests(
+    [(check_fit_simpo_policy, fit_simpo_ok), (check_fit_simpo_policy, fit_simpo_ok_lbfgs)], FIT_WRONG)

@@ -4,7 +4,10 @@
   its target margin (the reference is TRL's ``CPOTrainer`` loss, ``tests/test_trl_parity_beyond_dpo.py``);
 * :func:`check_kto_loss` - KTO's per-example loss with its reference point from mismatched pairs,
   clamped at 0 and held constant (the reference is TRL's ``KTOTrainer`` loss);
-* :func:`check_online_dpo_pairs` - the pairs online DPO forms from sampled, scored groups.
+* :func:`check_online_dpo_pairs` - the pairs online DPO forms from sampled, scored groups;
+* :func:`check_fit_simpo_policy` - an experiment: a tabular policy fitted by SimPO on bandit comparisons
+  must land on SimPO's closed-form optimum (:func:`rlcourse.preference_optima.simpo_optimum`), not on
+  the KL-regularised optimum.
 
 Each check compares with the course's function, which the parity tests hold to TRL's code, and
 measures what a wrong answer gets wrong: how the loss moves when only the reference log-probs move,
@@ -18,7 +21,7 @@ import torch
 
 from rlcourse.grading._core import assert_close, call_unmutated, fail, gradient_flowing, passed, references, to_numpy
 
-__all__ = ["check_simpo_loss", "check_kto_loss", "check_online_dpo_pairs"]
+__all__ = ["check_simpo_loss", "check_kto_loss", "check_online_dpo_pairs", "check_fit_simpo_policy"]
 
 
 def _values(name, case, got, shape):
@@ -234,4 +237,48 @@ def check_online_dpo_pairs(fn) -> None:
         if received != expected:
             fail(name, case, f"pairs {expected}", f"pairs {received}",
                  f"{len(expected)} pair(s) expected, {len(received)} received")
+    passed(name, len(cases))
+
+
+# --- SimPO on the bandit: an experiment ---------------------------------------------------------------
+
+@references("rlcourse.preference_optima:simpo_optimum", "rlcourse.preference_optima:minimise_expected_loss",
+            "rlcourse.preference_optima:expected_preference_loss", "rlcourse.categorical_bandit:train_tabular_policy")
+def check_fit_simpo_policy(fn) -> None:
+    """``fn(bandit, pairs, lengths, beta) -> (P, K)`` log-probs of a tabular policy fitted by SimPO (margin 0).
+
+    Judged by where it lands: on 20000 Bradley-Terry comparisons its KL to SimPO's closed-form optimum
+    ``log pi(y|x) = |y| (r(x, y) / beta + c(x))`` must be below 0.01 nats per prompt (the reference
+    solution reaches 0.002 or less), a policy that the closed form says is far from ``pi*``.
+    """
+    __tracebackhide__ = True
+    from rlcourse.categorical_bandit import CategoricalBandit
+    from rlcourse.preference_optima import simpo_optimum
+
+    name = "check_fit_simpo_policy"
+    cases = [(CategoricalBandit.random(n_prompts=3, n_answers=5, reward_scale=1.5, seed=21), [1.0, 2.0, 3.0, 4.0, 5.0], 0.5, 21),
+             (CategoricalBandit.random(n_prompts=2, n_answers=4, reward_scale=1.5, seed=22), [2.0, 1.0, 4.0, 3.0], 1.0, 22)]
+    for bandit, lengths, beta, data_seed in cases:
+        case = (f"{bandit.n_prompts} prompts x {bandit.n_answers} answers of lengths {[int(n) for n in lengths]}, "
+                f"beta={beta}, 20000 pairs")
+        pairs = bandit.sample_pairs(20000, rng=data_seed)
+        L = torch.tensor(lengths, dtype=torch.float64)
+        got = fn(bandit, {k: v.clone() for k, v in pairs.items()}, L.clone(), beta)
+        if got is None:
+            fail(name, case, "a (P, K) tensor of log-probs", None, "the function returned None")
+        got = torch.as_tensor(to_numpy(got), dtype=torch.float64)
+        if got.shape != bandit.ref_logprobs.shape:
+            fail(name, case, f"shape {tuple(bandit.ref_logprobs.shape)}", f"shape {tuple(got.shape)}", "")
+        sums = got.exp().sum(-1)
+        if not torch.allclose(sums, torch.ones_like(sums), atol=1e-6):
+            fail(name, case, "rows of log-probabilities (exp sums to 1 per prompt)", f"row sums {sums.numpy().round(4)}", "")
+        target = simpo_optimum(bandit.reward, L, beta)
+        kl = float(bandit.kl(got, target).mean())
+        if not kl < 0.01:
+            measured = {"pi* = pi_ref exp(r / beta) / Z": float(bandit.kl(got, bandit.optimal_logprobs(beta)).mean()),
+                        "SimPO's optimum with every length 1": float(bandit.kl(got, simpo_optimum(bandit.reward, torch.ones_like(L), beta)).mean()),
+                        "pi_ref, where the policy started": float(bandit.kl(got).mean())}
+            nearest = min(measured, key=measured.get)
+            fail(name, case, "KL(pi_fit || SimPO's optimum) < 0.01", f"KL = {kl:.4f}",
+                 f"the fitted policy is nearest to {nearest} (KL {measured[nearest]:.4f})")
     passed(name, len(cases))
