@@ -294,3 +294,19 @@ def test_expected_loss_rejects_unknown_losses_and_bad_lengths(bandit):
         expected_preference_loss(bandit.ref_logprobs, bandit, "cpo", 0.5)
     with pytest.raises(ValueError, match="lengths"):
         expected_preference_loss(bandit.ref_logprobs, bandit, "simpo", 0.5, lengths=torch.zeros(5))
+
+
+def test_bad_inputs_name_the_argument():
+    one = _f64(-1.0)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        simpo_loss(one, one, 1.0, 0.5, label_smoothing=0.5)
+    with pytest.raises(ValueError, match="beta"):
+        simpo_loss(one, one, 0.0, 0.5)
+    with pytest.raises(ValueError, match="desirable_weight"):
+        kto_loss(one, one, one, one, 0.0, 1.0, desirable_weight=-1.0)
+    with pytest.raises(ValueError, match="finite"):
+        online_dpo_pairs(torch.tensor([0.0, float("nan")]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="alpha"):
+        rdpo_loss(one, one, one, one, torch.ones(1), torch.ones(1), 1.0, float("nan"))
+    with pytest.raises(ValueError, match="lengths must be > 0"):
+        simpo_optimum(torch.zeros(1, 2), torch.tensor([1.0, 0.0]), 1.0)

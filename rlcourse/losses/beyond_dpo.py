@@ -61,6 +61,8 @@ def simpo_loss(chosen_avg_logps, rejected_avg_logps, beta: float, gamma: float,
     in the flipped label as TRL's ``CPOTrainer`` does (``-(1-e) log s(z) - e log s(-z)``); 0 is SimPO.
     """
     _check_beta(beta)
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}")
     w, l = _logps(chosen_avg_logps=chosen_avg_logps, rejected_avg_logps=rejected_avg_logps)
     z = beta * (w - l) - gamma
     return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
@@ -118,6 +120,9 @@ def kto_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     right side of ``z0`` stops contributing, as prospect theory's value function flattens.
     """
     _check_beta(beta)
+    if not (desirable_weight >= 0 and undesirable_weight >= 0):
+        raise ValueError(f"desirable_weight and undesirable_weight must be >= 0, got {desirable_weight!r} and "
+                         f"{undesirable_weight!r}")
     w, rw = _logps(chosen_logps=chosen_logps, ref_chosen_logps=ref_chosen_logps)
     l, rl = _logps(rejected_logps=rejected_logps, ref_rejected_logps=ref_rejected_logps)
     z0 = torch.as_tensor(z0, dtype=w.dtype)
@@ -163,6 +168,8 @@ def online_dpo_pairs(scores, groups) -> tuple[torch.Tensor, torch.Tensor]:
     scores, groups = torch.as_tensor(scores), torch.as_tensor(groups)
     if scores.dim() != 1 or groups.shape != scores.shape:
         raise ValueError(f"scores and groups must be 1-D of one shape, got {tuple(scores.shape)} and {tuple(groups.shape)}")
+    if not bool(torch.isfinite(scores.double()).all()):
+        raise ValueError("scores must be finite: a NaN or infinite score cannot rank a group's answers")
     chosen, rejected = [], []
     for g in torch.unique(groups).tolist():
         idx = torch.nonzero(groups == g).flatten()
