@@ -8,8 +8,9 @@ import pytest
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.grading.lesson10c import check_mismatch_correction, check_off_policy_mask, check_sampler_weights
-from grading_asserts import grading_tests
+from rlcourse.grading.lesson10c import (check_mismatch_correction, check_mismatch_run, check_off_policy_mask,
+                                        check_sampler_weights)
+from grading_asserts import assert_fails, grading_tests
 
 
 # ------------------------------------------------------------------ exercise 1: TRL's importance weights
@@ -144,9 +145,9 @@ WRONG = [
 test_right_answers_pass, test_wrong_answers_fail_with_a_hint = grading_tests(RIGHT, WRONG)
 
 
-# ------------------------------------------------------------------ exercise 3: the experiment
+# ------------------------------------------------------------------ exercises 3 and 4: the experiment
 def mismatch_run(settings, *, bits=3, use_sampler=True, pass_settings=True, train=True):
-    """The experiment as the exercise states it (seed-batched: the 8 seeds train together)."""
+    """The experiment as exercise 3 states it (seed-batched: the 8 seeds train together)."""
     from rlcourse.lm import AdditionTask, exact_match, load_checkpoint
     from rlcourse.lm.off_policy import CopySampler, quantised_copy
     from rlcourse.lm.policy_gradient import PolicyGradientConfig
@@ -165,31 +166,43 @@ def mismatch_run(settings, *, bits=3, use_sampler=True, pass_settings=True, trai
     return [exact_match(trainer.model_of(s), tokenizer, task, prompts) for s in range(8)]
 
 
+def test_the_experiment_check_passes_a_run_wired_as_stated(capsys):
+    check_mismatch_run(mismatch_run)
+    out = capsys.readouterr().out
+    assert out.startswith("✔ check_mismatch_run: the 3-bit sampler cost") and out.count("\n") == 1
+
+
+@pytest.mark.parametrize("run, hint", [
+    (lambda s: 0.4, "8 accuracies in [0, 1]"),
+    (lambda s: mismatch_run(s, use_sampler=False), "the mismatch did not reach training"),
+    (lambda s: mismatch_run(s, train=False), "the mismatch did not reach training"),
+    (lambda s: mismatch_run(s, bits=8), "the mismatch did not reach training"),
+    (lambda s: mismatch_run(s, pass_settings=False), "the settings must reach the trainer"),
+], ids=["one-number", "no-sampler", "untrained", "8-bit-sampler", "settings-ignored"])
+def test_the_experiment_check_catches(run, hint):
+    assert_fails(check_mismatch_run, run, hint)
+
+
 TIS = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate",
        "vllm_importance_sampling_clip_max": 3.0}
+TRL_DEFAULT = {"vllm_importance_sampling_correction": True}           # sequence_mask, clip_max 3
 
 
-def test_the_experiment_check_passes_a_correction_that_works(capsys):
-    check_mismatch_correction(mismatch_run, lambda: dict(TIS))
-    out = capsys.readouterr().out
-    assert out.startswith("✔ check_mismatch_correction: the 3-bit sampler cost") and out.count("\n") == 1
+@pytest.mark.parametrize("settings", [TIS, TRL_DEFAULT], ids=["token-truncate", "trl-default"])
+def test_the_correction_check_passes_corrections_that_work(settings, capsys):
+    check_mismatch_correction(lambda: dict(settings))
+    assert capsys.readouterr().out.startswith("✔ check_mismatch_correction: your settings won back")
 
 
-@pytest.mark.parametrize("run, choose, hint", [
-    (mismatch_run, lambda: {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 3.0},
+@pytest.mark.parametrize("settings, hint", [
+    ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 3.0},
      "a correction switched on"),
-    (mismatch_run, lambda: {**TIS, "vllm_importance_sampling_cap": 3.0}, "keys are among"),
-    (mismatch_run, lambda: {**TIS, "vllm_importance_sampling_mode": "token"}, "vllm_importance_sampling_mode must be one of"),
-    (lambda s: 0.4, lambda: dict(TIS), "8 accuracies in [0, 1]"),
-    (lambda s: mismatch_run(s, use_sampler=False), lambda: dict(TIS), "the mismatch did not reach training"),
-    (lambda s: mismatch_run(s, train=False), lambda: dict(TIS), "the mismatch did not reach training"),
-    (lambda s: mismatch_run(s, pass_settings=False), lambda: dict(TIS), "won back"),
-    (mismatch_run, lambda: {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_mask",
-                            "vllm_importance_sampling_clip_min": 0.9, "vllm_importance_sampling_clip_max": 1.1},
-     "won back"),
-], ids=["correction-off", "misspelt-key", "bad-mode", "one-number", "no-sampler", "untrained", "settings-ignored",
-        "bounds-too-tight"])
-def test_the_experiment_check_catches(run, choose, hint):
-    from grading_asserts import assert_fails
-
-    assert_fails(check_mismatch_correction, run, hint, choose=choose)
+    ({**TIS, "vllm_importance_sampling_cap": 3.0}, "keys are among"),
+    ({**TIS, "vllm_importance_sampling_mode": "token"}, "vllm_importance_sampling_mode must be one of"),
+    (None, "keys are among"),
+    ({"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_mask",
+      "vllm_importance_sampling_clip_min": 0.9, "vllm_importance_sampling_clip_max": 1.1}, "won back"),
+    ({"off_policy_mask_threshold": 5.0}, "won back"),
+], ids=["correction-off", "misspelt-key", "bad-mode", "none", "bounds-too-tight", "threshold-too-loose"])
+def test_the_correction_check_catches(settings, hint):
+    assert_fails(check_mismatch_correction, lambda: settings, hint)
