@@ -13,6 +13,10 @@ valid answers stay. Every algorithm gets the same number of sampled completions 
   verifier instead of a learned reward model: the RLHF machinery with a perfect reward;
 * DPO (+ an NLL term, RPO) on pairs built from the SFT model's own samples (valid = chosen, invalid
   = rejected): offline, so the whole budget is spent up front;
+* online DPO (:class:`~rlcourse.lm.online_dpo.OnlineDPOTrainer`, the same loss): each step samples
+  two answers to each of 32 prompts from the current policy (TRL's ``OnlineDPOTrainer`` samples
+  two), pairs the valid answer with the invalid one where exactly one is valid, and takes one step
+  on those pairs;
 * RFT, rejection-sampling fine-tuning (best-of-n as a training method, a.k.a. expert iteration):
   sample, keep the valid answers, fine-tune on them, repeat.
 
@@ -59,13 +63,14 @@ _PG = {
     "GSPO": dict(advantage_estimator="grpo", loss_type="grpo", importance_sampling_level="sequence",
                  num_iterations=2, epsilon=3e-4, epsilon_high=4e-4),
 }
-ALGORITHMS = (*_PG, "PPO", "DPO", "RFT")
+ALGORITHMS = (*_PG, "PPO", "DPO", "Online DPO", "RFT")
 # Trained several seeds at a time by compare(): the critic-free methods but DAPO, whose dynamic sampling
 # draws a different number of batches per seed, PPO and DPO. RFT runs one seed at a time: each seed
 # keeps a different number of answers per step, so its fine-tuning batches are ragged across seeds.
-SEED_BATCHED = (*(name for name, settings in _PG.items() if not settings.get("dynamic_sampling")), "PPO", "DPO")
+SEED_BATCHED = (*(name for name, settings in _PG.items() if not settings.get("dynamic_sampling")), "PPO", "DPO",
+                "Online DPO")
 # Models a run holds in memory while training (policy, reference, critic...).
-MODELS_HELD = {**{name: 1 for name in _PG}, "PPO": 3, "DPO": 2, "RFT": 1}
+MODELS_HELD = {**{name: 1 for name in _PG}, "PPO": 3, "DPO": 2, "Online DPO": 2, "RFT": 1}
 
 
 @dataclass
@@ -129,6 +134,11 @@ def _ppo_trainer(model, tokenizer, task, cfg, seed):
     return lambda: trainer.train(1, progress=False) and cfg.batch
 
 
+def _online_step(model, tokenizer, task, cfg, seed):
+    trainer = _online_dpo_trainer(model, tokenizer, task, cfg, [seed], stacked=False)
+    return lambda: trainer.step() and cfg.batch
+
+
 def _rft_trainer(model, tokenizer, task, cfg, seed):
     rng = np.random.default_rng(seed)
     gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
@@ -149,6 +159,19 @@ def _dpo_config(cfg: CapstoneConfig, seed: int) -> DPOConfig:
     return DPOConfig(beta=0.1, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0], seed=seed,
                      learning_rate=cfg.learning_rate, per_device_train_batch_size=32,
                      num_train_epochs=2, lr_scheduler_type="constant", precompute_ref_log_probs=True)
+
+
+def _online_dpo_trainer(model, tokenizer, task, cfg: CapstoneConfig, seeds: list[int], stacked: bool):
+    """Online DPO with the offline DPO's loss (RPO) and rate: one batch of ``cfg.batch`` completions per step,
+    2 per prompt, labelled by the verifier. ``stacked``: the runs of ``seeds`` in one seed-stacked model
+    (``model`` left as it is); else one run of ``seeds[0]`` that trains ``model`` in place."""
+    from rlcourse.lm.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    dpo = _dpo_config(cfg, seeds[0])
+    args = OnlineDPOConfig(beta=dpo.beta, loss_type=dpo.loss_type, loss_weights=dpo.loss_weights, seed=seeds[0],
+                           learning_rate=cfg.learning_rate, lr_scheduler_type="constant", num_generations=2,
+                           per_device_train_batch_size=cfg.batch // 2, max_steps=math.ceil(cfg.budget / cfg.batch))
+    return OnlineDPOTrainer(model, tokenizer, task.reward, task.prompts, args, seeds=seeds if stacked else None)
 
 
 def _dpo_pairs(model, tokenizer, task, n_samples: int, seed: int) -> list[dict]:
@@ -227,6 +250,7 @@ def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=Non
     else:
         step = (_pg_trainer(algorithm, model, tokenizer, task, cfg, seed) if algorithm in _PG else
                 _ppo_trainer(model, tokenizer, task, cfg, seed) if algorithm == "PPO" else
+                _online_step(model, tokenizer, task, cfg, seed) if algorithm == "Online DPO" else
                 _rft_trainer(model, tokenizer, task, cfg, seed))
         while samples < cfg.budget:
             tic = time.perf_counter()
@@ -264,7 +288,9 @@ def run_seeds(algorithm: str, seeds, cfg: CapstoneConfig | None = None, device=N
     ref, _ = load_checkpoint(cfg.checkpoint, device=device)
     if algorithm == "DPO":
         return _dpo_seeds(model, ref, tokenizer, task, seeds, cfg, starts)
-    if algorithm == "PPO":
+    if algorithm == "Online DPO":
+        trainer = _online_dpo_trainer(model, tokenizer, task, cfg, seeds, stacked=True)
+    elif algorithm == "PPO":
         from rlcourse.lm.seed_batched_ppo import SeedBatchedPPORLHFTrainer
         from rlcourse.lm.value_model import make_value_model
 

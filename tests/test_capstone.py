@@ -107,9 +107,9 @@ def test_run_seeds_gives_each_seed_the_run_of_that_seed_alone():
     from rlcourse.capstone import SEED_BATCHED, run_seeds
 
     assert "DAPO" not in SEED_BATCHED and "RFT" not in SEED_BATCHED
-    assert {"REINFORCE", "GSPO", "PPO", "DPO"} <= set(SEED_BATCHED)
+    assert {"REINFORCE", "GSPO", "PPO", "DPO", "Online DPO"} <= set(SEED_BATCHED)
     cfg = CapstoneConfig(budget=192, eval_points=2)
-    for algorithm in ("REINFORCE", "GSPO", "PPO", "DPO"):
+    for algorithm in ("REINFORCE", "GSPO", "PPO", "DPO", "Online DPO"):
         together = run_seeds(algorithm, [3, 1], cfg)
         for r, seed in zip(together, (3, 1)):
             alone = run(algorithm, seed, cfg)
