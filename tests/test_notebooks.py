@@ -112,3 +112,13 @@ def test_grade_command_rejects_a_missing_path():
     result = subprocess.run([sys.executable, "-m", "rlcourse", "grade", "no/such.ipynb"],
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode != 0 and "neither a folder nor an existing .ipynb" in result.stderr
+
+
+@pytest.mark.parametrize("path", COURSE + SOLUTIONS + EXERCISES, ids=ids(COURSE + SOLUTIONS + EXERCISES))
+def test_cell_sources_hold_no_control_characters(path):
+    """A LaTeX macro written into JSON with one backslash (``\\beta`` as ``"\\beta"``) is read as a
+    backspace plus ``eta``: the page then shows ``eta``. Only newlines and tabs belong in a cell."""
+    nb = nbformat.read(path, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        bad = sorted({repr(ch) for ch in cell.source if ord(ch) < 32 and ch not in "\n\t"})
+        assert not bad, f"{path.name}, cell {i}: control characters {bad} (a single backslash before b, f, n, r or t in the JSON?)"
