@@ -73,6 +73,20 @@ def test_orpo_log_odds_ratio_against_the_formula_and_stays_finite(w, l):
     assert got == pytest.approx(log_odds(w) - log_odds(l), rel=1e-9, abs=1e-9)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_orpo_gradient_stays_finite_where_p_rounds_to_1(dtype):
+    """A per-token average log-prob of -1e-8 (float32) or -1e-20 (float64): exp rounds to 1, the loss and
+    its gradient stay finite (the unselected branch of log(1 - exp) must not leak a NaN)."""
+    tiny = -1e-8 if dtype == torch.float32 else -1e-20
+    w = torch.tensor([-2.0, tiny], dtype=dtype, requires_grad=True)
+    l = torch.tensor([tiny, -1.0], dtype=dtype, requires_grad=True)
+    loss = orpo_loss(w, l, 0.5)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(w.grad).all() and torch.isfinite(l.grad).all()
+    # d/dl of -0.5 log sigmoid(log odds(w) - log odds(l)) near l = 0 is 0.5 sigmoid(-z) / (1 - p): huge, finite
+    assert l.grad[0] > 1e6
+
+
 def test_orpo_loss_is_beta_times_the_odds_ratio_log_loss():
     w, l = _f64(-0.5, -1.0), _f64(-1.5, -0.3)
     expected = -0.25 * F.logsigmoid(orpo_log_odds_ratio(w, l))

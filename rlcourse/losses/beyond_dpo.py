@@ -69,8 +69,13 @@ def simpo_loss(chosen_avg_logps, rejected_avg_logps, beta: float, gamma: float,
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """``log(1 - exp(x))`` for ``x < 0``, without cancellation on either side of ``-log 2``."""
-    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+    """``log(1 - exp(x))`` for ``x < 0``, without cancellation on either side of ``-log 2``.
+
+    The ``log1p`` branch sees ``x`` clamped to its side: where ``exp(x)`` rounds to 1 (``x`` about
+    -1e-8 in float32) it would be ``log1p(-1) = -inf``, and its zero weight in ``where`` times an
+    infinite derivative is a NaN gradient, although the value taken from the other branch is finite."""
+    log2 = 0.6931471805599453
+    return torch.where(x < -log2, torch.log1p(-torch.exp(x.clamp(max=-log2))), torch.log(-torch.expm1(x)))
 
 
 def orpo_log_odds_ratio(chosen_avg_logps, rejected_avg_logps) -> torch.Tensor:
