@@ -1,10 +1,17 @@
 """Lesson 11b's checks pass right answers written several ways and refuse each plausible wrong one."""
 import rlcourse  # noqa: F401  (before torch)
+import copy
+import math
+
 import torch
 import torch.nn.functional as F
 
-from grading_asserts import grading_tests
-from rlcourse.grading.lesson11b import check_fit_simpo_policy, check_kto_loss, check_online_dpo_pairs, check_simpo_loss
+from grading_asserts import grading_tests, mistake_tests
+from rlcourse.grading.lesson11b import (check_fit_simpo_policy, check_kto_loss, check_online_dpo_pairs,
+                                        check_online_dpo_step, check_orpo_loss, check_simpo_loss,
+                                        check_train_online_dpo)
+from rlcourse.lm import frozen_copy, sample, sequence_logprobs
+from rlcourse.losses import dpo_sigmoid_loss, online_dpo_pairs
 
 
 # --- SimPO ------------------------------------------------------------------------------------------
@@ -71,6 +78,109 @@ def simpo_in_place(cw, cl, mw, ml, rw, rl, beta, gamma):
     cw *= beta
     cl *= beta
     return -F.logsigmoid(_avg(cw, mw) - _avg(cl, ml) - gamma)
+
+
+# --- ORPO ------------------------------------------------------------------------------------------
+
+def _log_odds(avg):
+    return avg - torch.log(-torch.expm1(avg))
+
+
+def orpo_ok(cw, cl, mw, ml, beta):
+    nll = -(cw * mw).sum() / mw.sum()
+    ratio = _log_odds(_avg(cw, mw)) - _log_odds(_avg(cl, ml))
+    return nll - beta * F.logsigmoid(ratio).mean()
+
+
+def orpo_ok_loop_float64(cw, cl, mw, ml, beta):
+    total_nll, n, terms = 0.0, 0, []
+    for i in range(cw.shape[0]):
+        w = cw[i][mw[i].bool()].double()
+        l = cl[i][ml[i].bool()].double()
+        total_nll = total_nll - w.sum()
+        n += len(w)
+        pw, pl = w.mean().exp(), l.mean().exp()
+        z = torch.log(pw / (1 - pw)) - torch.log(pl / (1 - pl))
+        terms.append(F.softplus(-z))
+    return total_nll / n + beta * torch.stack(terms).mean()
+
+
+def orpo_ok_log1mexp_where(cw, cl, mw, ml, beta):    # the two-branch log(1 - e^x), each branch fed its side
+    def log1mexp(x):
+        c = -math.log(2)
+        return torch.where(x < c, torch.log1p(-torch.exp(torch.clamp(x, max=c))), torch.log(-torch.expm1(x)))
+    aw, al = _avg(cw, mw), _avg(cl, ml)
+    ratio = (aw - log1mexp(aw)) - (al - log1mexp(al))
+    return -(cw * mw).sum() / mw.sum() - beta * F.logsigmoid(ratio).mean()
+
+
+def _orpo(cw, cl, mw, ml, beta, nll=None, log_odds=_log_odds, avg=_avg, reduce="mean", nll_weight=1.0, sign=1.0):
+    nll = -(cw * mw).sum() / mw.sum() if nll is None else nll
+    ratio = sign * (log_odds(avg(cw, mw)) - log_odds(avg(cl, ml)))
+    term = -F.logsigmoid(ratio)
+    return nll_weight * nll + beta * (term.mean() if reduce == "mean" else term.sum())
+
+
+def orpo_summed_logps(cw, cl, mw, ml, beta):
+    return _orpo(cw, cl, mw, ml, beta, avg=lambda t, m: (t * m).sum(-1))
+
+
+def orpo_unstable_log1m(cw, cl, mw, ml, beta):           # log1p(-exp(x)) on both sides of -log 2 (TRL's formula)
+    return _orpo(cw, cl, mw, ml, beta, log_odds=lambda a: a - torch.log1p(-torch.exp(a)))
+
+
+def orpo_unstable_logit(cw, cl, mw, ml, beta):           # odds from the probability itself
+    return _orpo(cw, cl, mw, ml, beta, log_odds=lambda a: torch.logit(a.exp()))
+
+
+def orpo_where_nan_gradient(cw, cl, mw, ml, beta):       # two branches, the log1p one fed every x
+    return _orpo(cw, cl, mw, ml, beta, log_odds=lambda a: a - torch.where(a < -math.log(2), torch.log1p(-torch.exp(a)),
+                                                                       torch.log(-torch.expm1(a))))
+
+
+def orpo_nll_over_padding(cw, cl, mw, ml, beta):
+    return _orpo(cw, cl, mw, ml, beta, nll=-cw.mean())
+
+
+def orpo_nll_with_rejected(cw, cl, mw, ml, beta):
+    return _orpo(cw, cl, mw, ml, beta, nll=-((cw * mw).sum() + (cl * ml).sum()) / (mw.sum() + ml.sum()))
+
+
+def orpo_nll_per_answer(cw, cl, mw, ml, beta):            # each answer's mean NLL, then the mean over answers
+    return _orpo(cw, cl, mw, ml, beta, nll=(-(cw * mw).sum(-1) / mw.sum(-1)).mean())
+
+
+def orpo_beta_on_everything(cw, cl, mw, ml, beta):
+    return _orpo(cw, cl, mw, ml, beta, nll_weight=beta)
+
+
+def orpo_ratio_swapped(cw, cl, mw, ml, beta):
+    return _orpo(cw, cl, mw, ml, beta, sign=-1.0)
+
+
+def orpo_no_odds(cw, cl, mw, ml, beta):
+    return _orpo(cw, cl, mw, ml, beta, log_odds=lambda a: a)
+
+
+def orpo_average_over_width(cw, cl, mw, ml, beta):
+    return _orpo(cw, cl, mw, ml, beta, avg=lambda t, m: t.mean(-1))
+
+
+def orpo_pairs_summed(cw, cl, mw, ml, beta):
+    return _orpo(cw, cl, mw, ml, beta, reduce="sum")
+
+
+def orpo_per_pair(cw, cl, mw, ml, beta):                  # one loss per pair
+    nll = -(cw * mw).sum(-1) / mw.sum(-1)
+    return nll - beta * F.logsigmoid(_log_odds(_avg(cw, mw)) - _log_odds(_avg(cl, ml)))
+
+
+def orpo_no_nll(cw, cl, mw, ml, beta):
+    return _orpo(cw, cl, mw, ml, beta, nll=torch.zeros(()))
+
+
+def orpo_detached(cw, cl, mw, ml, beta):                  # computed through .item()
+    return torch.tensor(orpo_ok(cw, cl, mw, ml, beta).item(), requires_grad=True)
 
 
 # --- KTO --------------------------------------------------------------------------------------------
@@ -251,6 +361,7 @@ def pairs_best_against_second(scores, groups):           # best against the runn
 
 
 RIGHT = [(check_simpo_loss, simpo_ok), (check_simpo_loss, simpo_ok_loop_float64), (check_simpo_loss, simpo_ok_rescaled_gamma),
+         (check_orpo_loss, orpo_ok), (check_orpo_loss, orpo_ok_loop_float64), (check_orpo_loss, orpo_ok_log1mexp_where),
          (check_kto_loss, kto_ok), (check_kto_loss, kto_ok_other_form),
          (check_online_dpo_pairs, pairs_ok), (check_online_dpo_pairs, pairs_ok_python)]
 
@@ -265,6 +376,21 @@ WRONG = [
     (check_simpo_loss, simpo_swapped, "check_simpo_loss failed"),
     (check_simpo_loss, simpo_one_length, "check_simpo_loss failed"),
     (check_simpo_loss, simpo_in_place, "modified in place"),
+    (check_orpo_loss, orpo_summed_logps, "the odds of the summed log-probs"),
+    (check_orpo_loss, orpo_unstable_log1m, "a non-finite loss"),
+    (check_orpo_loss, orpo_unstable_logit, "a non-finite loss"),
+    (check_orpo_loss, orpo_where_nan_gradient, "a NaN or inf reached the gradient"),
+    (check_orpo_loss, orpo_nll_over_padding, "every column of the padded batch"),
+    (check_orpo_loss, orpo_nll_with_rejected, "the chosen and the rejected answers' tokens together"),
+    (check_orpo_loss, orpo_nll_per_answer, "each answer's own mean NLL"),
+    (check_orpo_loss, orpo_beta_on_everything, "multiplied by beta"),
+    (check_orpo_loss, orpo_no_nll, "no NLL term"),
+    (check_orpo_loss, orpo_ratio_swapped, "chosen and rejected swapped"),
+    (check_orpo_loss, orpo_no_odds, "without the odds"),
+    (check_orpo_loss, orpo_average_over_width, "averages over the padded width"),
+    (check_orpo_loss, orpo_pairs_summed, "summed, not averaged"),
+    (check_orpo_loss, orpo_per_pair, "one number, the batch's loss"),
+    (check_orpo_loss, orpo_detached, "grad_fn"),
     (check_kto_loss, kto_z0_not_detached, "no gradient reaching kl_logps"),
     (check_kto_loss, kto_z0_not_clamped, "the mean mismatched log-ratio itself"),
     (check_kto_loss, kto_everything_detached, "a result computed from the inputs"),
@@ -291,7 +417,7 @@ test_right_answers_pass, test_wrong_answers_fail_with_a_hint = grading_tests(RIG
 
 def test_each_check_has_at_least_six_distinct_wrong_answers():
     assert len({fn.__name__ for _, fn, _ in WRONG}) == len(WRONG)
-    for check in (check_simpo_loss, check_kto_loss, check_online_dpo_pairs):
+    for check in (check_simpo_loss, check_orpo_loss, check_kto_loss, check_online_dpo_pairs):
         assert sum(c is check for c, _, _ in WRONG) >= 6
     assert len(FIT_WRONG) >= 6
 
@@ -367,3 +493,165 @@ FIT_WRONG = [(check_fit_simpo_policy, fit_simpo_keeps_reference, "nearest to pi*
              (check_fit_simpo_policy, fit_simpo_too_few_steps, "where the policy started")]
 test_fit_right_answers_pass, test_fit_wrong_answers_fail_with_a_hint = grading_tests(
     [(check_fit_simpo_policy, fit_simpo_ok), (check_fit_simpo_policy, fit_simpo_ok_lbfgs)], FIT_WRONG)
+
+
+# --- one online-DPO round --------------------------------------------------------------------------
+
+def step_ok(model, ref_model, optimizer, tokenizer, prompts, reward_fn, generator, num_generations, beta, temperature,
+            max_new_tokens, *, mistake=None):
+    group = [p for p in prompts for _ in range(num_generations)]
+    if mistake == "prompts interleaved":
+        group = list(prompts) * num_generations
+    roll = sample(model, tokenizer, group, max_new_tokens, generator=generator,
+                  temperature=1.0 if mistake == "sampled at temperature 1" else temperature)
+    scores = torch.as_tensor(reward_fn(group, roll.completions), dtype=torch.float32)
+    groups = torch.arange(len(prompts)).repeat_interleave(num_generations)
+    if mistake == "pairs across prompts" or mistake == "prompts interleaved":
+        groups = torch.arange(num_generations).repeat(len(prompts))
+    args = (roll.prompt_ids, roll.completion_ids, roll.completion_mask, roll.prompt_mask)
+    tokens = sequence_logprobs(model, *args, temperature=temperature if mistake == "log-probs at the sampling temperature" else 1.0)
+    logps = tokens.sum(-1) / roll.completion_mask.sum(-1) if mistake == "token mean" else tokens.sum(-1)
+    if mistake == "reference with grad":
+        ref_logps = sequence_logprobs(ref_model, *args).sum(-1)
+    else:
+        with torch.no_grad():
+            ref_logps = sequence_logprobs(model if mistake == "policy as reference" else ref_model, *args).sum(-1)
+    if mistake == "pairs by implicit reward":
+        scores_for_pairs = (logps - ref_logps).detach()
+    else:
+        scores_for_pairs = scores
+    chosen, rejected = online_dpo_pairs(scores_for_pairs, groups)
+    if mistake == "swapped":
+        chosen, rejected = rejected, chosen
+    if len(chosen) == 0 and mistake != "update without pairs":
+        return float(scores.mean()), None
+    loss = dpo_sigmoid_loss(logps[chosen], logps[rejected], ref_logps[chosen], ref_logps[rejected], beta)
+    loss = loss.sum() if mistake == "sum over pairs" else loss.mean()
+    if mistake != "no zero_grad":
+        optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return float(scores.mean()), loss.item()
+
+
+ONLINE_STEP_MISTAKES = ["prompts interleaved", "sampled at temperature 1", "pairs across prompts",
+                        "log-probs at the sampling temperature", "token mean", "reference with grad",
+                        "policy as reference", "pairs by implicit reward", "swapped", "update without pairs",
+                        "sum over pairs", "no zero_grad"]
+
+
+test_online_dpo_step_check, test_online_dpo_step_check_catches = mistake_tests(
+    check_online_dpo_step, step_ok, ONLINE_STEP_MISTAKES, "raised the held-out gold score")
+
+
+# --- find the bug: rounds of online DPO against a reference that must stay put ---------------------
+
+def train_ok(model, optimizer, tokenizer, prompt_batches, reward_fn, generator, num_generations=2, beta=0.1,
+             max_new_tokens=8, *, mistake=None):
+    reference = model if mistake == "alias" else frozen_copy(model)
+    logs = []
+    for r, prompts in enumerate(prompt_batches):
+        group = [p for p in prompts for _ in range(num_generations)]
+        if mistake == "the shipped bug" or (mistake == "refreshed every other round" and r % 2 == 0):
+            reference = frozen_copy(model)
+        roll = sample(reference if mistake == "sampled from the reference" else model, tokenizer, group, max_new_tokens,
+                      generator=generator)
+        scores = torch.as_tensor(reward_fn(group, roll.completions), dtype=torch.float32)
+        chosen, rejected = online_dpo_pairs(scores, torch.arange(len(prompts)).repeat_interleave(num_generations))
+        if len(chosen) == 0:
+            continue
+        args = (roll.prompt_ids, roll.completion_ids, roll.completion_mask, roll.prompt_mask)
+        logps = sequence_logprobs(model, *args).sum(-1)
+        with torch.no_grad():
+            ref_logps = sequence_logprobs(reference, *args).sum(-1)
+        if mistake == "own log-probs detached":
+            ref_logps = logps.detach()
+        if mistake == "reference dropped":
+            ref_logps = torch.zeros_like(logps)
+        loss = dpo_sigmoid_loss(logps[chosen], logps[rejected], ref_logps[chosen], ref_logps[rejected], beta).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        kl = (ref_logps - logps.detach()) if mistake == "kl reversed" else (logps.detach() - ref_logps)
+        logs.append({"loss": loss.item(), "objective/kl": kl.mean().item(), "objective/scores": scores.mean().item()})
+    return logs
+
+
+ONLINE_RUN_MISTAKES = ["the shipped bug", "refreshed every other round", "alias", "sampled from the reference",
+                       "own log-probs detached", "reference dropped", "kl reversed"]
+test_train_online_dpo_check, test_train_online_dpo_check_catches = mistake_tests(
+    check_train_online_dpo, train_ok, ONLINE_RUN_MISTAKES, "match the reference's gradients and logs")
+
+
+def test_step_checks_catch_at_least_six_mistakes():
+    assert len(set(ONLINE_STEP_MISTAKES)) >= 6 and len(set(ONLINE_RUN_MISTAKES)) >= 6
+
+
+def step_ok_pair_rows_only(model, ref_model, optimizer, tokenizer, prompts, reward_fn, generator, num_generations, beta,
+                           temperature, max_new_tokens):
+    """Written otherwise: log-probs of the pairs' rows only, in float64, the loss as a softplus, a Python loop
+    for the pairs, the reference model frozen by hand."""
+    group = [p for p in prompts for _ in range(num_generations)]
+    roll = sample(model, tokenizer, group, max_new_tokens, temperature=temperature, generator=generator)
+    scores = reward_fn(group, roll.completions)
+    chosen, rejected = [], []
+    for g in range(len(prompts)):
+        block = [float(s) for s in scores[g * num_generations:(g + 1) * num_generations]]
+        if max(block) > min(block):
+            chosen.append(g * num_generations + block.index(max(block)))
+            rejected.append(g * num_generations + block.index(min(block)))
+    if not chosen:
+        return sum(float(s) for s in scores) / len(group), None
+    rows = torch.tensor(chosen + rejected)
+    args = (roll.prompt_ids[rows], roll.completion_ids[rows], roll.completion_mask[rows], roll.prompt_mask[rows])
+    logps = sequence_logprobs(model, *args).double().sum(-1)
+    ref_model.requires_grad_(False)
+    ref_logps = sequence_logprobs(ref_model, *args).double().sum(-1)
+    n = len(chosen)
+    margin = (logps[:n] - ref_logps[:n]) - (logps[n:] - ref_logps[n:])
+    loss = F.softplus(-beta * margin).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return sum(float(s) for s in scores) / len(group), float(loss.detach())
+
+
+def test_online_dpo_step_check_accepts_a_round_written_otherwise(capsys):
+    check_online_dpo_step(step_ok_pair_rows_only)
+    assert "raised the held-out gold score" in capsys.readouterr().out
+
+
+def train_ok_with_a_step(model, optimizer, tokenizer, prompt_batches, reward_fn, generator, num_generations=2,
+                         beta=0.1, max_new_tokens=8):
+    """Written otherwise: the reference a deep copy made before the loop; each round calls a step function
+    (the step above), and the KL is measured after the round from the log-probs the round saw."""
+    reference = copy.deepcopy(model).requires_grad_(False)
+    logs = []
+    for prompts in prompt_batches:
+        group = [p for p in prompts for _ in range(num_generations)]
+        seen = {}
+
+        def scored(g, completions):
+            seen["scores"] = reward_fn(g, completions)
+            return seen["scores"]
+
+        before = copy.deepcopy(model)
+        gen_state = generator.get_state()
+        score, loss = step_ok_pair_rows_only(model, reference, optimizer, tokenizer, prompts, scored, generator,
+                                             num_generations, beta, 1.0, max_new_tokens)
+        if loss is None:
+            continue
+        after_state = generator.get_state()
+        generator.set_state(gen_state)
+        roll = sample(before, tokenizer, group, max_new_tokens, generator=generator)     # the same draw again
+        generator.set_state(after_state)
+        with torch.no_grad():
+            args = (roll.prompt_ids, roll.completion_ids, roll.completion_mask, roll.prompt_mask)
+            kl = (sequence_logprobs(before, *args).sum(-1) - sequence_logprobs(reference, *args).sum(-1)).mean()
+        logs.append({"loss": loss, "objective/kl": float(kl), "objective/scores": score})
+    return logs
+
+
+def test_train_online_dpo_check_accepts_a_run_written_otherwise(capsys):
+    check_train_online_dpo(train_ok_with_a_step)
+    assert "match the reference's gradients and logs" in capsys.readouterr().out
