@@ -1,6 +1,7 @@
 """Lesson 10c's checks pass right answers written in other ways and catch plausible wrong ones.
 
 The right answers are written from the exercise texts, independently of the solution notebook."""
+import functools
 import math
 
 import pytest
@@ -9,8 +10,8 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.grading.lesson10c import (check_mismatch_correction, check_mismatch_run, check_off_policy_mask,
-                                        check_sampler_weights)
-from grading_asserts import assert_fails, grading_tests
+                                        check_off_policy_step, check_off_policy_update, check_sampler_weights)
+from grading_asserts import assert_fails, grading_tests, mistake_tests
 
 
 # ------------------------------------------------------------------ exercise 1: TRL's importance weights
@@ -206,3 +207,158 @@ def test_the_correction_check_passes_corrections_that_work(settings, capsys):
 ], ids=["correction-off", "misspelt-key", "bad-mode", "none", "bounds-too-tight", "threshold-too-loose"])
 def test_the_correction_check_catches(settings, hint):
     assert_fails(check_mismatch_correction, lambda: settings, hint)
+
+
+# ------------------------------------------------------------------ exercise 5: one off-policy GRPO step
+def off_policy_step_ok(model, optimizer, tokenizer, task, prompts, generator, K, sampler, mode="token_truncate",
+                       clip_min=None, clip_max=3.0, *, mistake=None):
+    """A correct step written from the exercise text (weights from a Python loop, the clipped loss by hand in
+    float64); ``mistake`` turns one plausible slip on."""
+    from rlcourse.lm import sample, sequence_logprobs
+    from rlcourse.losses import group_advantages
+
+    group = [p for p in prompts for _ in range(K)]
+    draw = sample if mistake == "sampled on-policy" else sampler
+    roll = draw(model, tokenizer, group, task.max_new_tokens, generator=generator)
+    rewards = task.reward(group, roll.completions).float()
+    adv = group_advantages(rewards, K).double()[:, None]
+    mask = roll.completion_mask
+    real = mask.bool()
+    logp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, mask, roll.prompt_mask).double()
+    old = logp.detach()
+    mu = roll.logprobs.double()
+    if mistake == "pi_old rescored by the sampler's copy":
+        old = mu
+    w_mode = "sequence_mask" if mistake == "mode ignored" else mode
+    lo = None if mistake == "clip_min ignored" else clip_min
+    if mistake == "weight inverted":
+        w = weights_loop(mu, old, mask, w_mode, lo, clip_max)
+    elif mistake == "weight with a gradient":
+        d = torch.where(real, logp - mu, torch.zeros_like(logp))
+        d = d.sum(1, keepdim=True) if mode.startswith("sequence") else d
+        w = d.exp().clamp(min=lo, max=clip_max) if mode.endswith("truncate") else d.exp() * (
+            (d.exp() <= clip_max) & (d.exp() >= (lo or 0))).double()
+    else:
+        w = weights_loop(old, mu, mask, w_mode, lo, clip_max)
+    against = mu if mistake in ("ratio against mu, weighted", "ratio against mu, no weight") else old
+    ratio = torch.exp(torch.where(real, logp - against, torch.zeros_like(logp)))
+    ratio_in = ratio * w if mistake == "weight inside the clip" else ratio
+    per_token = -torch.minimum(ratio_in * adv, ratio_in.clamp(0.8, 1.2) * adv)
+    if mistake not in ("no weight", "ratio against mu, no weight", "weight inside the clip", "weight after the mean"):
+        per_token = per_token * w
+    per_token = torch.where(real, per_token, torch.zeros_like(per_token))
+    if mistake == "sequence mean":
+        loss = (per_token.sum(1) / mask.sum(1)).mean()
+    else:
+        loss = per_token.sum() / mask.sum()
+    if mistake == "weight after the mean":
+        loss = loss * w.mean()
+    if mistake != "no zero_grad":
+        optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return float(rewards.mean())
+
+
+STEP_MISTAKES = ["no weight", "ratio against mu, weighted", "ratio against mu, no weight", "weight inverted",
+                 "weight with a gradient", "weight inside the clip", "weight after the mean", "mode ignored",
+                 "clip_min ignored", "sequence mean", "no zero_grad", "sampled on-policy",
+                 "pi_old rescored by the sampler's copy"]
+test_off_policy_step_check, test_off_policy_step_check_catches = mistake_tests(
+    check_off_policy_step, off_policy_step_ok, STEP_MISTAKES, "raised held-out exact match")
+
+
+def off_policy_step_course(model, optimizer, tokenizer, task, prompts, generator, K, sampler, mode, clip_min,
+                           clip_max):
+    """Another right answer: pi_old from a separate no-grad forward, float32 weights, the course's clipped loss."""
+    from rlcourse.lm import sequence_logprobs
+    from rlcourse.losses import aggregate_loss, group_advantages, per_token_loss
+
+    group = [p for p in prompts for _ in range(K)]
+    roll = sampler(model, tokenizer, group, task.max_new_tokens, generator=generator)
+    rewards = task.reward(group, roll.completions).float()
+    args = (model, roll.prompt_ids, roll.completion_ids, roll.completion_mask, roll.prompt_mask)
+    with torch.no_grad():
+        old = sequence_logprobs(*args)
+    w = weights_float32(old, roll.logprobs, roll.completion_mask, mode, clip_min, clip_max)
+    per_token = per_token_loss(sequence_logprobs(*args), old, group_advantages(rewards, K), roll.completion_mask)
+    loss = aggregate_loss(per_token * w, roll.completion_mask, "dapo")
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return rewards.mean().item()
+
+
+def test_off_policy_step_check_passes_a_step_built_from_the_course_functions(capsys):
+    check_off_policy_step(off_policy_step_course)
+    assert "raised held-out exact match" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake, symptom", [("no weight", "the uncorrected update"),
+                                              ("ratio against mu, weighted", "corrects for the sampler twice"),
+                                              ("ratio against mu, no weight", "PPO with its ratio against the sampler"),
+                                              ("weight inverted", "weighted by mu / pi_old"),
+                                              ("weight with a gradient", "a function of the parameters")])
+def test_the_step_check_names_what_a_wrong_gradient_shows(mistake, symptom):
+    assert_fails(check_off_policy_step, functools.partial(off_policy_step_ok, mistake=mistake), symptom)
+
+
+# ------------------------------------------------------------------ exercise 6: find the bug
+def off_policy_update_ok(model, optimizer, tokenizer, task, prompts, generator, K, sampler, mode="sequence_mask",
+                         clip_max=3.0, iterations=2, epsilon=0.2, *, mistake=None):
+    """The fixed update, its weights from the course's function; ``mistake="twice"`` is the bug as shipped."""
+    from rlcourse.lm import sequence_logprobs
+    from rlcourse.losses import aggregate_loss, group_advantages, per_token_loss
+    from rlcourse.losses.off_policy import sampler_importance_weights
+
+    group = [p for p in prompts for _ in range(K)]
+    roll = sampler(model, tokenizer, group, task.max_new_tokens, generator=generator)
+    adv = group_advantages(task.reward(group, roll.completions).float(), K)
+    mask = roll.completion_mask
+
+    def score():
+        return sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, mask, roll.prompt_mask)
+
+    with torch.no_grad():
+        old = score()
+    mu = old if mistake == "mu rescored by the trainer" else roll.logprobs
+    weights = sampler_importance_weights(mu, old, mask, mode, None, clip_max) if mistake == "weight inverted" else \
+        sampler_importance_weights(old, mu, mask, mode, None, clip_max)
+    against = roll.logprobs if mistake in ("twice", "ratio against mu, no weight") else old
+    shares = []
+    for _ in range(1 if mistake == "one step" else iterations):
+        logp = score()
+        if mistake == "pi_old rescored every step":
+            against = logp.detach()
+        if mistake == "weight from the current policy":
+            weights = sampler_importance_weights(logp.detach(), mu, mask, mode, None, clip_max)
+        per_token = per_token_loss(logp, against, adv, mask, "dapo", epsilon)
+        if mistake not in ("no weight", "ratio against mu, no weight"):
+            per_token = per_token * weights
+        loss = aggregate_loss(per_token, mask, "dapo")
+        if mistake != "no zero_grad":
+            optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            outside = (((torch.exp(logp - against) - 1).abs() > epsilon) & mask.bool())
+            shares.append(float(outside.sum() / (mask.numel() if mistake == "share over padding" else mask.sum())))
+    return shares
+
+
+UPDATE_MISTAKES = ["twice", "ratio against mu, no weight", "no weight", "weight inverted", "mu rescored by the trainer",
+                   "pi_old rescored every step", "weight from the current policy", "one step", "no zero_grad",
+                   "share over padding"]
+test_off_policy_update_check, test_off_policy_update_check_catches = mistake_tests(
+    check_off_policy_update, off_policy_update_ok, UPDATE_MISTAKES, "no ratio leaves the clip range")
+
+
+def test_the_shipped_bug_is_told_by_its_symptom():
+    message = assert_fails(check_off_policy_update, functools.partial(off_policy_update_ok, mistake="twice"),
+                           "before any update")
+    assert "line" not in message
+
+
+def test_the_bug_fixed_by_dropping_the_weight_is_told_what_it_equals():
+    assert_fails(check_off_policy_update, functools.partial(off_policy_update_ok, mistake="no weight"),
+                 "the uncorrected update")

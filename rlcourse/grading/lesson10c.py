@@ -12,7 +12,13 @@
 * :func:`check_mismatch_run` - an experiment: the learner's GRPO runs under a 3-bit sampler must
   show the mismatch costing accuracy, and a correction known to work winning some of it back;
 * :func:`check_mismatch_correction` - the correction the learner chose, measured with the course's
-  own run of that experiment: it must win back at least 3.5 points.
+  own run of that experiment: it must win back at least 3.5 points;
+* :func:`check_off_policy_step` - one GRPO update on a 3-bit sampler's completions with TRL's weight, checked
+  as lesson 10's step is (each call's gradient against the course trainer's, then a short run that must
+  learn); a gradient equal to a known wrong update's is named (uncorrected, corrected twice, PPO against
+  the sampler, the weight inverted, the weight with a gradient);
+* :func:`check_off_policy_update` - find the bug: an update of several clipped steps on one sampled batch,
+  fixed; measured by the ratio before any update and every step's gradient.
 
 The weights and the mask are compared with :mod:`rlcourse.losses.off_policy`, which
 ``tests/test_trl_parity_off_policy.py`` holds to TRL 1.16's ``GRPOTrainer`` on fixed inputs.
@@ -27,7 +33,8 @@ import torch
 
 from rlcourse.grading._core import assert_close, call_unmutated, fail, fail_if_mistake, passed, references, to_numpy
 
-__all__ = ["check_sampler_weights", "check_off_policy_mask", "check_mismatch_run", "check_mismatch_correction"]
+__all__ = ["check_sampler_weights", "check_off_policy_mask", "check_mismatch_run", "check_mismatch_correction",
+           "check_off_policy_step", "check_off_policy_update"]
 
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # (clip_min, clip_max): TRL's default, both bounds, a lower bound alone, a tight upper bound.
@@ -315,3 +322,238 @@ def check_mismatch_correction(fn) -> None:
              "leaves the run close to the uncorrected one")
     print(f"✔ {name}: your settings won back {gain.mean():.1f} points over the uncorrected run (paired over "
           f"{len(MISMATCH['seeds'])} seeds)")
+
+
+# ------------------------------------------------------------------ exercises 5 and 6: the off-policy update
+# The sampler of both checks: a 3-bit copy of the trainer's current weights, far enough off that every
+# token's weight pi_old / mu differs from 1 and each mode and bound gives another gradient.
+STEP_BITS = 3
+STEP_BATCH = (8, 8)    # prompts x completions per call: at lesson 10's 6 x 4 this sampler drew no right answer, no gradient
+STEP_SETTINGS = [("token_truncate", None, 3.0), ("sequence_mask", None, 3.0), ("token_mask", 0.5, 2.0),
+                 ("sequence_truncate", 0.5, 2.0)]
+# 40 steps under the 3-bit sampler at token_truncate, cap 3: the reference step gains 5 to 18 points of
+# held-out exact match over seeds 0-7 (10 at seed 0, which the check uses); the uncorrected step -3 to +6.
+STEP_LEARNING = {"steps": 40, "lr": 1e-4, "groups": 8, "num_generations": 8, "held_out": 300, "margin": 0.04}
+BUG_SETTINGS = [("sequence_mask", 3.0, 2), ("token_truncate", 2.0, 3)]
+
+# What a gradient equal to one of these updates' shows (see _variant_gradients), named by its symptom.
+SYMPTOMS = {
+    "uncorrected": ("the gradient of the uncorrected update",
+                    "the completions were drawn by the sampler, yet every token's loss counts as if the trainer had "
+                    "drawn it: the weight pi_old / mu never reaches the gradient"),
+    "twice": ("the gradient of an update that corrects for the sampler twice",
+              "the clipped ratio is measured against the sampler's log-probs, so before any update it is already "
+              "pi_old / mu rather than 1, and the weight pi_old / mu multiplies it once more"),
+    "against_sampler": ("the gradient of PPO with its ratio against the sampler, pi_theta / mu, and no weight",
+                        "the clip acts on the gap between the sampler and the trainer before any update; the ratio "
+                        "of the clipped loss is against the trainer's own pi_old, and the sampler enters as a "
+                        "bounded weight"),
+    "with_grad": ("the gradient of an update whose weight pi_old / mu is a function of the parameters",
+                  "the gradient also flows through the weight, as if it were pi_theta / mu: the weight corrects "
+                  "for where the batch came from and is a constant of the update"),
+    "inverted": ("the gradient of an update weighted by mu / pi_old",
+                 "the tokens the sampler draws more often than the trainer would are weighted up, not down"),
+}
+
+
+def _sampler():
+    """The checks' sampler: :class:`~rlcourse.lm.off_policy.CopySampler` of a ``STEP_BITS``-bit copy."""
+    from rlcourse.lm.off_policy import CopySampler, quantised_copy
+
+    return CopySampler(functools.partial(quantised_copy, bits=STEP_BITS))
+
+
+def _flat_gradient(loss: torch.Tensor, params: list) -> torch.Tensor:
+    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).flatten().double() for g, p in zip(grads, params)])
+
+
+def _variant_gradients(model, b, config, max_len: int) -> dict:
+    """The gradients, at the batch's weights, of the updates :data:`SYMPTOMS` names, built from the course's loss."""
+    from rlcourse.lm.policy_gradient import logits_and_logprobs
+    from rlcourse.losses.grpo import aggregate_loss, per_token_loss
+    from rlcourse.losses.off_policy import sampler_importance_weights
+
+    c = config
+    logp = logits_and_logprobs(model, b, c.temperature)[1]
+    old, mu, mask = b.old_logprobs, b.sampler_logprobs, b.loss_mask
+
+    def loss(against, weight=None):
+        per_token = per_token_loss(logp, against, b.advantages, mask, c.loss_type, c.epsilon, c.epsilon_high)
+        return aggregate_loss(per_token if weight is None else per_token * weight, mask, c.loss_type, max_len)
+
+    inverted = sampler_importance_weights(mu, old, mask, c.vllm_importance_sampling_mode,
+                                          c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_clip_max)
+    # The same weights computed from the policy's log-probs with their graph: where the weight is the ratio
+    # itself (not cut to a bound), its gradient is the ratio's, w * grad(log pi - log mu).
+    log_ratio = torch.where(mask.bool(), logp - mu, torch.zeros_like(logp))
+    if c.vllm_importance_sampling_mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(1, keepdim=True)
+    free = b.is_weights == log_ratio.detach().exp()
+    with_grad = b.is_weights * torch.exp(torch.where(free, log_ratio - log_ratio.detach(), torch.zeros_like(log_ratio)))
+    params = list(model.parameters())
+    losses = {"uncorrected": loss(old), "twice": loss(mu, b.is_weights), "against_sampler": loss(mu),
+              "inverted": loss(old, inverted), "with_grad": loss(old, with_grad)}
+    return {key: _flat_gradient(value, params) for key, value in losses.items()}
+
+
+def _reference_update(model, optimizer, tokenizer, task, prompts, generator, num_generations, sampler, mode,
+                      clip_min, clip_max, epsilon=0.2, num_iterations=1, variants: dict | None = None):
+    """The course trainer's off-policy update on one batch, as ``PolicyGradientTrainer.step`` runs it with
+    ``sampler=`` and TRL's correction on (``loss_type="dapo"``, no gradient clipping): the completions and
+    ``mu`` from ``sampler``, ``pi_old`` from the trainer's own forward, the weight in ``mode`` with its bounds
+    on the clipped loss (:func:`~rlcourse.lm.policy_gradient.attach_sampler_logprobs`,
+    :func:`~rlcourse.lm.policy_gradient.loss_and_stats`), ``num_iterations`` optimiser steps.
+
+    Returns the mean reward and, per step, the share of real tokens whose ratio ``pi_theta / pi_old`` was
+    outside ``[1 - epsilon, 1 + epsilon]``; ``variants``, when given, receives :func:`_variant_gradients`
+    before the first step.
+    """
+    from rlcourse.lm.policy_gradient import (PolicyGradientConfig, _Batch, advantages, attach_sampler_logprobs,
+                                             logits_and_logprobs, loss_and_stats)
+
+    group = [p for p in prompts for _ in range(num_generations)]
+    config = PolicyGradientConfig(per_device_train_batch_size=len(group), num_generations=num_generations,
+                                  epsilon=epsilon, loss_type="dapo", num_iterations=num_iterations, max_grad_norm=None,
+                                  vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+                                  vllm_importance_sampling_clip_min=clip_min, vllm_importance_sampling_clip_max=clip_max)
+    roll = sampler(model, tokenizer, group, task.max_new_tokens, generator=generator)
+    b = _Batch(roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask)
+    with torch.no_grad():
+        b.rewards = task.reward(group, roll.completions).float()
+        b.advantages = advantages(config, b.rewards)[0]
+        attach_sampler_logprobs(config, model, b, roll.logprobs)
+    if variants is not None:
+        variants.update(_variant_gradients(model, b, config, task.max_new_tokens))
+    mask, outside = b.loss_mask, []
+    for _ in range(num_iterations):
+        logits, logp = logits_and_logprobs(model, b, config.temperature)
+        loss, _ = loss_and_stats(config, logits, logp, b, task.max_new_tokens)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        ratio = torch.exp(logp.detach() - b.old_logprobs)
+        outside.append(float((((ratio - 1).abs() > epsilon) & mask.bool()).sum() / mask.sum()))
+    return float(b.rewards.mean()), outside
+
+
+def _name_the_symptom(name: str, case: str, received: torch.Tensor, expected: torch.Tensor, variants: dict) -> None:
+    """Fail, naming what the learner's gradient shows, when it equals one of the :data:`SYMPTOMS` updates'
+    (and that update's differs from the reference's on this batch)."""
+    __tracebackhide__ = True
+    from rlcourse.grading._steps import relative_gap
+
+    for key, gradient in variants.items():
+        if relative_gap(gradient, expected) > 1e-3 and relative_gap(received, gradient) <= 1e-4:
+            shown, why = SYMPTOMS[key]
+            fail(name, case, "the gradient of the corrected update (ratio against the trainer's pi_old, times the "
+                 "sampler's weight pi_old / mu in the mode and bounds given)", shown, why)
+
+
+def _drawn(name: str, case: str, reward, expected_reward: float) -> None:
+    __tracebackhide__ = True
+    if reward is None or abs(float(reward) - expected_reward) > 1e-6:
+        fail(name, case, f"mean reward {expected_reward:.4f} of the completions drawn", reward,
+             "draw the completions once per call with the sampler handed in, sampler(model, tokenizer, group_prompts, "
+             "task.max_new_tokens, generator=generator), each prompt num_generations times in a row; return the "
+             "mean of their rewards")
+
+
+@references("rlcourse.losses.off_policy:sampler_importance_weights", "rlcourse.lm.policy_gradient:attach_sampler_logprobs",
+            "rlcourse.lm.policy_gradient:loss_and_stats")
+def check_off_policy_step(fn) -> None:
+    """``fn(model, optimizer, tokenizer, task, prompts, generator, num_generations, sampler, mode, clip_min, clip_max)
+    -> mean reward``: one GRPO update on completions drawn by ``sampler``, corrected by TRL's weight.
+
+    Checked as :func:`rlcourse.grading.lesson10.check_grpo_step` is, with a 3-bit sampler: for each of four
+    modes and bounds, the gradient each of two calls hands the optimiser equals the course trainer's
+    (:func:`_reference_update`) on the same weights and generator; then 40 steps with Adam from
+    ``addition-partial``, under the same sampler at ``token_truncate`` with a cap of 3, must raise greedy
+    exact match on 300 held-out prompts by at least 4 points.
+    """
+    __tracebackhide__ = True
+    from rlcourse.grading._steps import addition_start, check_sampling_step, twin_runs
+
+    name = "check_off_policy_step"
+    sampler = _sampler()
+    settings = [(f"{STEP_BITS}-bit sampler, mode={mode!r}, clip_min={lo}, clip_max={hi}", (sampler, "".join(mode), lo, hi))
+                for mode, lo, hi in STEP_SETTINGS]
+    task, start, tokenizer = addition_start()
+    for case, extra in settings:               # first call of each setting: what a wrong gradient shows
+        mine, theirs, opt_mine, opt_theirs = twin_runs(start, lr=0.05)
+        groups, K = STEP_BATCH
+        prompts = task.prompts(groups, rng=30)            # check_sampling_step's first call
+        label = f"{case}, {K} completions per prompt, call 1"
+        reward = fn(mine, opt_mine, tokenizer, task, list(prompts), torch.Generator().manual_seed(5), K, *extra)
+        variants: dict = {}
+        expected_reward, _ = _reference_update(theirs, opt_theirs, tokenizer, task, prompts,
+                                               torch.Generator().manual_seed(5), K, *extra, variants=variants)
+        _drawn(name, label, reward, expected_reward)
+        if len(opt_mine.seen) == 1:
+            _name_the_symptom(name, label, opt_mine.seen[0], opt_theirs.seen[0], variants)
+    learning = dict(STEP_LEARNING, extra=(sampler, "token_truncate", None, 3.0))
+    check_sampling_step(name, fn, _reference_update, settings, learning,
+                        "another direction: the ratio of the clipped loss is the model's log-probs (with grad) against "
+                        "the trainer's pi_old; the sampler's weight, a constant in the mode and bounds given, "
+                        "multiplies each token's clipped loss before the token mean over real tokens",
+                        call_prompts=STEP_BATCH[0], call_completions=STEP_BATCH[1])
+
+
+class _FirstSteps:
+    """The first ``n`` records of a :class:`~rlcourse.grading._steps.RecordingSGD` (``seen``), so that
+    :func:`~rlcourse.grading._steps.assert_call_gradient` can judge the steps of one call one by one."""
+
+    def __init__(self, optimizer, n: int):
+        self.seen = optimizer.seen[:n]
+
+
+@references("rlcourse.lm.policy_gradient:attach_sampler_logprobs", "rlcourse.lm.policy_gradient:loss_and_stats")
+def check_off_policy_update(fn) -> None:
+    """``fn(model, optimizer, tokenizer, task, prompts, generator, num_generations, sampler, mode, clip_max,
+    num_iterations, epsilon) -> [share of tokens outside the clip range at each step]``: the fixed
+    find-the-bug update. Measured with a 3-bit sampler: before any update no token's ratio leaves the clip
+    range (the ratio is against the trainer's own pi_old), every step's gradient equals the course trainer's
+    on the same samples (what a wrong one equals is named), and the shares match."""
+    __tracebackhide__ = True
+    from rlcourse.grading._steps import addition_start, assert_call_gradient, twin_runs
+
+    name = "check_off_policy_update"
+    task, start, tokenizer = addition_start()
+    sampler = _sampler()
+    n = 0
+    for mode, clip_max, iterations in BUG_SETTINGS:
+        case = f"{STEP_BITS}-bit sampler, mode={mode!r}, clip_max={clip_max}, num_iterations={iterations}, 6 prompts x 8"
+        mine, theirs, opt_mine, opt_theirs = twin_runs(start, lr=0.02)
+        prompts = task.prompts(6, rng=40)
+        shares = fn(mine, opt_mine, tokenizer, task, list(prompts), torch.Generator().manual_seed(6), 8, sampler,
+                    "".join(mode), clip_max, iterations, 0.2)
+        variants: dict = {}
+        _, expected_shares = _reference_update(theirs, opt_theirs, tokenizer, task, prompts,
+                                               torch.Generator().manual_seed(6), 8, sampler, mode, None, clip_max, 0.2,
+                                               iterations, variants)
+        if len(opt_mine.seen) != iterations:
+            fail(name, case, f"{iterations} optimizer steps", f"{len(opt_mine.seen)}",
+                 "one optimizer step per iteration on the batch")
+        try:
+            shares = [float(s) for s in shares]
+        except TypeError:
+            shares = None
+        if shares is None or len(shares) != iterations:
+            fail(name, case, f"a list of {iterations} shares", shares, "return the list the function builds")
+        if shares[0] > 0:
+            fail(name, case, "no token outside the clip range before any update (every ratio pi_theta / pi_old is 1)",
+                 f"{shares[0]:.1%} of the tokens outside [0.8, 1.2] at the first step",
+                 "at the first step the policy is the one the trainer scored the batch with, so the ratio of the "
+                 "clipped loss is exactly 1 on every token: this one is measured against another distribution")
+        _name_the_symptom(name, f"{case}, step 1", opt_mine.seen[0], opt_theirs.seen[0], variants)
+        for step in range(iterations):
+            assert_call_gradient(name, f"{case}, step {step + 1}", step, _FirstSteps(opt_mine, step + 1),
+                                 _FirstSteps(opt_theirs, step + 1),
+                                 "another direction: every step weighs the same batch by the same weights against "
+                                 "the same pi_old, from zeroed gradients")
+            n += 1
+        if abs(shares[-1] - expected_shares[-1]) > 0.01:       # a token of about 150 may round across
+            fail(name, f"{case}, step {iterations}", f"{expected_shares[-1]:.4f} of the tokens outside the clip range",
+                 shares[-1], "the share of real tokens whose ratio is outside [1 - epsilon, 1 + epsilon]")
+    print(f"✔ {name}: no ratio leaves the clip range before the first update, and all {n} steps match the "
+          f"reference's gradient")
