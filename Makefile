@@ -44,8 +44,11 @@ $(STAMP): pyproject.toml
 lab: $(STAMP)
 	$(BIN)/jupyter lab $(ROOT_FLAG) --ServerApp.root_dir="$(CURDIR)" $(LAB_ARGS) course/00_start_here.ipynb
 
+# The lessons run under nbval; the solution notebooks run under the grader instead
+# (tests/test_grading_solutions.py: every cell in a kernel, every check in its worker), which
+# covers all that nbval would, so they are not executed a second time.
 test: $(STAMP)
-	RLCOURSE_PROFILE=$(TEST_PROFILE) $(BIN)/python -m pytest --nbval-lax tests course solutions $(PYTEST_ARGS)
+	RLCOURSE_PROFILE=$(TEST_PROFILE) $(BIN)/python -m pytest --nbval-lax tests course $(PYTEST_ARGS)
 
 # Re-execute the committed lesson and solution notebooks (with outputs) and regenerate exercises/.
 notebooks: $(STAMP)

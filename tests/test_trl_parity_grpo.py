@@ -37,21 +37,29 @@ def _reward_column(completions, reward, **kwargs):
     return list(reward)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def parity_setup(tmp_path_factory, classes=((trl.GRPOTrainer, trl.GRPOConfig),)):
+    """The set-up every parity file shares: the tiny checkpoint saved to a temporary folder, one TRL
+    trainer per (trainer, config) class pair on the fixed prompts and rewards (beta 0.04), and one
+    fixed batch of completions of varied lengths (1..MAX_LEN tokens, some ending in <eos>, some cut)."""
     path = tmp_path_factory.mktemp("tiny")
     model, tokenizer = load_checkpoint("addition-partial", device="cpu")
     save_checkpoint(model, tokenizer, path)
     rows = [p for p in PROMPTS for _ in range(K)]
     dataset = Dataset.from_dict({"prompt": rows, "reward": REWARDS.tolist()})
+    trainers = [build_trl_trainer(trainer, config, path, tokenizer, dataset, _reward_column, path / "out",
+                                  num_generations=K, max_completion_length=MAX_LEN, beta=0.04)
+                for trainer, config in classes]
+    batch = fixed_completion_batch(trainers[0].model, tokenizer, rows, MAX_LEN, seed=0)
+    return dict(trainers=trainers, batch=batch, tokenizer=tokenizer, rows=rows)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
     # float64: our forward (rlcourse.lm.fast_gpt2) and transformers' round differently in float32
     # (~1e-6 relative); in float64 what is left (~1e-7) is TRL's float32 log-probs (its fused head).
-    grpo, rloo = (build_trl_trainer(trainer, config, path, tokenizer, dataset, _reward_column, path / "out",
-                                    num_generations=K, max_completion_length=MAX_LEN, beta=0.04)
-                  for trainer, config in ((trl.GRPOTrainer, trl.GRPOConfig), (trl.RLOOTrainer, trl.RLOOConfig)))
-    # Fixed completions of varied lengths (1..MAX_LEN tokens, some ending in <eos>, some cut).
-    batch = fixed_completion_batch(grpo.model, tokenizer, rows, MAX_LEN, seed=0)
-    return dict(grpo=grpo, rloo=rloo, batch=batch, tokenizer=tokenizer, rows=rows)
+    shared = parity_setup(tmp_path_factory, ((trl.GRPOTrainer, trl.GRPOConfig), (trl.RLOOTrainer, trl.RLOOConfig)))
+    grpo, rloo = shared.pop("trainers")
+    return dict(grpo=grpo, rloo=rloo, **shared)
 
 
 CASES = [(t, lvl, 0.0, True) for t, lvl in itertools.product(LOSS_TYPES, ("token", "sequence"))]

@@ -17,15 +17,14 @@ import pytest
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.lm import Rollout, load_checkpoint, save_checkpoint
+from rlcourse.lm import Rollout
 from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
-from rlcourse.lm.trl_parity import build_trl_trainer, fixed_completion_batch, flat_grad, set_trl_grpo_loss
+from rlcourse.lm.trl_parity import flat_grad, set_trl_grpo_loss
 from rlcourse.losses.off_policy import SAMPLER_IS_MODES, off_policy_sequence_mask, sampler_importance_weights
 
 import trl  # noqa: E402  (a dependency of the project: these tests never skip)
-from datasets import Dataset  # noqa: E402
 # The fixed prompts, rewards and task of the GRPO parity tests: one batch for both files.
-from test_trl_parity_grpo import K, MAX_LEN, PROMPTS, REWARDS, _FixedTask, _reward_column  # noqa: E402
+from test_trl_parity_grpo import K, MAX_LEN, REWARDS, _FixedTask, parity_setup  # noqa: E402
 
 # (clip_min, clip_max): TRL's default, two-sided bounds that token ratios cross, a lower bound alone, none above.
 BOUNDS = [(None, 3.0), (0.8, 1.25), (0.9, None), (None, 1.1)]
@@ -33,18 +32,12 @@ BOUNDS = [(None, 3.0), (0.8, 1.25), (0.9, None), (None, 1.1)]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    model, tokenizer = load_checkpoint("addition-partial", device="cpu")
-    save_checkpoint(model, tokenizer, path)
-    rows = [p for p in PROMPTS for _ in range(K)]
-    dataset = Dataset.from_dict({"prompt": rows, "reward": REWARDS.tolist()})
-    trainer = build_trl_trainer(trl.GRPOTrainer, trl.GRPOConfig, path, tokenizer, dataset, _reward_column, path / "out",
-                                num_generations=K, max_completion_length=MAX_LEN, beta=0.04)
-    batch = fixed_completion_batch(trainer.model, tokenizer, rows, MAX_LEN, seed=0)
+    shared = parity_setup(tmp_path_factory)
+    (trainer,), batch = shared.pop("trainers"), shared["batch"]
     # The "vLLM" log-probs: the trainer's own plus noise of 0.4 nats per token (batch["old"] holds 0.3).
     noise = torch.randn(batch["old"].shape, generator=torch.Generator().manual_seed(5), dtype=batch["old"].dtype)
     sampling = ((batch["old"] + 0.3 * noise) * batch["completion_mask"]).clamp(max=0.0)
-    return dict(trainer=trainer, batch=batch, tokenizer=tokenizer, rows=rows, sampling=sampling)
+    return dict(trainer=trainer, sampling=sampling, **shared)
 
 
 def _switch_on(monkeypatch, trainer, mode, clip_min, clip_max, correction=True, threshold=None, beta=0.0):

@@ -19,34 +19,27 @@ import pytest
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.lm import Rollout, load_checkpoint, save_checkpoint
+from rlcourse.lm import Rollout
 from rlcourse.lm import policy_gradient
 from rlcourse.lm.policy_gradient import (PolicyGradientConfig, PolicyGradientTrainer, _Batch, logits_and_logprobs,
                                          loss_and_stats)
-from rlcourse.lm.trl_parity import build_trl_trainer, fixed_completion_batch, flat_grad, set_trl_grpo_loss
+from rlcourse.lm.trl_parity import fixed_completion_batch, flat_grad, set_trl_grpo_loss
 from rlcourse.lm.verifiers import combine_rewards
 from rlcourse.losses import group_advantages
 from rlcourse.losses.rlvr import overlong_penalty
 
 import trl  # noqa: E402  (a dependency of the project: these tests never skip)
-from datasets import Dataset  # noqa: E402
 from trl.rewards import get_soft_overlong_punishment  # noqa: E402
 
 # The fixed prompts, rewards and task of the GRPO parity tests: one batch for every parity file.
-from test_trl_parity_grpo import K, MAX_LEN, PROMPTS, REWARDS, _FixedTask, _reward_column  # noqa: E402
+from test_trl_parity_grpo import K, MAX_LEN, REWARDS, _FixedTask, parity_setup  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    model, tokenizer = load_checkpoint("addition-partial", device="cpu")
-    save_checkpoint(model, tokenizer, path)
-    rows = [p for p in PROMPTS for _ in range(K)]
-    dataset = Dataset.from_dict({"prompt": rows, "reward": REWARDS.tolist()})
-    trainer = build_trl_trainer(trl.GRPOTrainer, trl.GRPOConfig, path, tokenizer, dataset, _reward_column,
-                                path / "out", num_generations=K, max_completion_length=MAX_LEN, beta=0.04)
-    batch = fixed_completion_batch(trainer.model, tokenizer, rows, MAX_LEN, seed=0)
-    return dict(trainer=trainer, batch=batch, tokenizer=tokenizer, rows=rows)
+    shared = parity_setup(tmp_path_factory)
+    (trainer,) = shared.pop("trainers")
+    return dict(trainer=trainer, **shared)
 
 
 def _set_entropy_knobs(trainer, monkeypatch, top_entropy_quantile: float, entropy_coef: float) -> None:
