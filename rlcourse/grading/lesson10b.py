@@ -79,9 +79,9 @@ def check_pass_at_k(fn) -> None:
 
 # Completions of "12+34=" (sum 46) under budget 3, with the right verdict. The exercise's text lists
 # the first group; the second is held back: a checker must be strict by construction, not by list.
-SHOWN = [("46", True), ("...46", True), ("....46", False), ("046", False), (" 46", False), ("46\n", False),
-         ("4", False), ("467", False), ("\u0664\u0666", False), ("..4.6", False)]
-HELD_BACK = [("+46", False), ("4_6", False), ("46 ", False), ("46.0", False), ("\uff14\uff16", False),
+SHOWN = [("46", True), ("...46", True), ("....46", False), ("4", False), ("47", False)]
+HELD_BACK = [("046", False), (" 46", False), ("46\n", False), ("467", False), ("\u0664\u0666", False), ("..4.6", False),
+             ("+46", False), ("4_6", False), ("46 ", False), ("46.0", False), ("\uff14\uff16", False),
              ("\u2074\u2076", False), (".46.", False), ("", False), ("...", False), ("0046", False),
              ("\t46", False), ("46\r", False), ("x46", False), ("46+0", False), ("..4", False), ("-46", False),
              ("4\u0666", False), ("\u00a046", False), ("0x2e", False), ("1e1", False)]
@@ -226,4 +226,5 @@ def check_reward_experiment(fn) -> None:
              f"+ {e['margin']})", f"{after.mean():.3f} (per seed {', '.join(f'{a:.3f}' for a in after)}); "
              f"{fmt:.0%} of the samples in format, {prefixes:.0%} a shorter prefix of the sum",
              "the policy learns what the reward pays: pay only a right sum after at most 3 dots, judged strictly")
-    print(f"✔ {name}: GRPO on your reward raised held-out strict accuracy by {e['margin']:.2f} or more")
+    print(f"✔ {name}: GRPO on your reward raised held-out strict accuracy from {before[0]:.3f} to {after.mean():.3f} "
+          f"(per seed {', '.join(f'{a:.3f}' for a in after)}; needed +{e['margin']:.2f})")
