@@ -178,3 +178,23 @@ def test_config_refuses_bad_entropy_and_length_settings():
                             (dict(overlong_penalty_factor=-1.0), "overlong_penalty_factor >= 0")]:
         with pytest.raises(ValueError, match=match):
             PolicyGradientConfig(**settings)
+
+
+@pytest.mark.parametrize("trainer_class", ["single", "seed-batched"])
+def test_a_buffer_longer_than_the_budget_is_refused_when_the_trainer_is_built(fixed, trainer_class):
+    """A buffer C > L would charge every completion, however short: both trainers refuse it up front,
+    whether L is the config's max_completion_length or the task's own max_new_tokens."""
+    from rlcourse.lm.seed_batched import SeedBatchedPolicyGradientTrainer
+
+    model, tokenizer, rows, _, _ = fixed
+    task = _FixedTask(rows, torch.zeros(16))
+    build = (PolicyGradientTrainer if trainer_class == "single" else
+             lambda *args: SeedBatchedPolicyGradientTrainer(*args, seeds=[0, 1]))
+    for settings, match in [(dict(max_completion_length=5, overlong_buffer_len=6),
+                             r"overlong_buffer_len \(6\) must be <= the completion budget max_completion_length \(5\)"),
+                            (dict(overlong_buffer_len=6), r"max_completion_length \(5, the task default\)")]:
+        with pytest.raises(ValueError, match=match):
+            build(model, tokenizer, task, PolicyGradientConfig(per_device_train_batch_size=16, num_generations=4,
+                                                               **settings))
+    build(model, tokenizer, task, PolicyGradientConfig(per_device_train_batch_size=16, num_generations=4,
+                                                       overlong_buffer_len=5))      # C = L: allowed

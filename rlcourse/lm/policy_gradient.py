@@ -349,8 +349,18 @@ def overlong_shaped(c: PolicyGradientConfig, roll, rewards: torch.Tensor, max_le
     if c.overlong_buffer_len == 0:
         return rewards
     lengths = roll.completion_mask.sum(1).cpu()
-    penalty = overlong_penalty(lengths, max_len, min(c.overlong_buffer_len, max_len))
+    penalty = overlong_penalty(lengths, max_len, c.overlong_buffer_len)
     return rewards + c.overlong_penalty_factor * penalty.to(rewards.device, rewards.dtype)
+
+
+def completion_budget(c: PolicyGradientConfig, task) -> int:
+    """The completion budget L of a run, ``max_completion_length`` or the task's ``max_new_tokens``; refuses
+    an overlong buffer longer than L (the penalty would charge every completion, however short)."""
+    max_len = c.max_completion_length or task.max_new_tokens
+    if c.overlong_buffer_len > max_len:
+        raise ValueError(f"overlong_buffer_len ({c.overlong_buffer_len}) must be <= the completion budget "
+                         f"max_completion_length ({max_len}{'' if c.max_completion_length else ', the task default'})")
+    return max_len
 
 
 def draw_metrics(drawn, num_generations: int) -> dict:
@@ -383,7 +393,7 @@ class PolicyGradientTrainer:
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.config = config or PolicyGradientConfig()
         c = self.config
-        self.max_len = c.max_completion_length or task.max_new_tokens
+        self.max_len = completion_budget(c, task)
         if c.beta > 0 and ref_model is None:
             ref_model = frozen_copy(model)
         self.ref_model = ref_model

@@ -27,8 +27,8 @@ import torch
 from rlcourse.kl import kl_k1
 from rlcourse.lm.fast_gpt2 import supports
 from rlcourse.lm.policy_gradient import (PolicyGradientConfig, _Batch, advantages, attach_sampler_logprobs,
-                                         checked_rewards, draw_metrics, logits_and_logprobs, loss_and_stats)
-from rlcourse.lm.policy_gradient import overlong_shaped
+                                         checked_rewards, completion_budget, draw_metrics, logits_and_logprobs,
+                                         loss_and_stats, overlong_shaped)
 from rlcourse.lm.sampling import sample
 from rlcourse.lm.seed_batch import SeedAdam, seed_model, seed_runs, stack_models
 
@@ -58,7 +58,7 @@ class SeedBatchedPolicyGradientTrainer:
                 raise ValueError(f"model {i} is not a plain GPT-2 model (rlcourse.lm.fast_gpt2.supports): only those "
                                  f"can be seed-batched; use PolicyGradientTrainer for {type(m).__name__}")
         self.tokenizer, self.task = tokenizer, task
-        self.max_len = c.max_completion_length or task.max_new_tokens
+        self.max_len = completion_budget(c, task)
         self.model = stack_models(models)
         self.ref_model = stack_models(models).eval().requires_grad_(False) if c.beta > 0 else None
         self.optimizer = SeedAdam(self.model.parameters(), lr=c.learning_rate)
