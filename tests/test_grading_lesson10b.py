@@ -10,8 +10,8 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from grading_asserts import assert_fails, grading_tests
-from rlcourse.grading.lesson10b import (check_overlong_penalty, check_pass_at_k, check_reward_experiment,
-                                        check_strict_answer)
+from rlcourse.grading.lesson10b import (check_high_entropy_mask, check_overlong_penalty, check_pass_at_k,
+                                        check_reward_experiment, check_strict_answer)
 
 
 # ---------------------------------------------------------------- pass@k
@@ -193,9 +193,130 @@ def overlong_in_place(lengths, L, C):
     return overlong_tensor(lengths + L - C, L, C)
 
 
+# ---------------------------------------------------------------- forking-token mask
+def forking_quantile(entropies, mask, rho):
+    m = mask.bool()
+    h = entropies.detach()
+    if not m.any():
+        return torch.zeros_like(m)
+    return (h >= torch.quantile(h[m], 1 - rho)) & m
+
+
+def forking_float64(entropies, mask, rho):      # float64 throughout, whatever the input's dtype
+    m = torch.as_tensor(mask).double() > 0.5
+    h = entropies.detach().double()
+    values = h[m]
+    return (h >= values.quantile(1.0 - rho)) & m if values.numel() else m
+
+
+def forking_sorted(entropies, mask, rho):       # the order statistics and the interpolation by hand
+    m = mask != 0
+    h = entropies.detach()
+    s = h[m].sort().values
+    if len(s) == 0:
+        return m
+    pos = (1 - rho) * (len(s) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    q = s[lo] + (pos - lo) * (s[hi] - s[lo])
+    return m & (h >= q)
+
+
+def forking_numpy(entropies, mask, rho):
+    h = entropies.detach().numpy()
+    m = np.asarray(mask, dtype=float) == 1
+    keep = np.zeros(h.shape, dtype=bool)
+    if m.any():
+        keep = m & (h >= np.quantile(h[m], 1 - rho))
+    return torch.from_numpy(keep)
+
+
+def forking_float_result(entropies, mask, rho):     # 0/1 floats instead of bools
+    return forking_quantile(entropies, mask, rho).to(entropies.dtype)
+
+
+def forking_padding_in_quantile(entropies, mask, rho):
+    h, m = entropies.detach(), mask.bool()
+    return (h >= torch.quantile(h.flatten(), 1 - rho)) & m
+
+
+def forking_padding_as_zero(entropies, mask, rho):
+    h, m = entropies.detach(), mask.bool()
+    return (h >= torch.quantile((h * m).flatten(), 1 - rho)) & m
+
+
+def forking_per_row(entropies, mask, rho):
+    h, m = entropies.detach(), mask.bool()
+    rows = [(r >= torch.quantile(r[k], 1 - rho)) & k if k.any() else k for r, k in zip(h, m)]
+    return torch.stack(rows)
+
+
+def forking_bottom(entropies, mask, rho):
+    h, m = entropies.detach(), mask.bool()
+    return (h <= torch.quantile(h[m], rho)) & m if m.any() else m
+
+
+def forking_swapped(entropies, mask, rho):
+    h, m = entropies.detach(), mask.bool()
+    return (h >= torch.quantile(h[m], rho)) & m if m.any() else m
+
+
+def forking_strict(entropies, mask, rho):
+    h, m = entropies.detach(), mask.bool()
+    return (h > torch.quantile(h[m], 1 - rho)) & m if m.any() else m
+
+
+def forking_keeps_padding(entropies, mask, rho):
+    h, m = entropies.detach(), mask.bool()
+    return h >= torch.quantile(h[m], 1 - rho) if m.any() else m
+
+
+def forking_lower(entropies, mask, rho):
+    h, m = entropies.detach(), mask.bool()
+    return (h >= torch.quantile(h[m], 1 - rho, interpolation="lower")) & m if m.any() else m
+
+
+def forking_nearest(entropies, mask, rho):
+    h, m = entropies.detach(), mask.bool()
+    return (h >= torch.quantile(h[m], 1 - rho, interpolation="nearest")) & m if m.any() else m
+
+
+def forking_float32_threshold(entropies, mask, rho):
+    h, m = entropies.detach(), mask.bool()
+    return (h >= torch.quantile(h[m].float(), 1 - rho)) & m if m.any() else m
+
+
+def forking_float_mask_index(entropies, mask, rho):     # right for a bool mask; a float one cannot index
+    h = entropies.detach()
+    return (h >= torch.quantile(h[mask], 1 - rho)) & mask.bool() if mask.any() else mask.bool()
+
+
+def forking_empty_crash(entropies, mask, rho):
+    h, m = entropies.detach(), mask.bool()
+    return (h >= torch.quantile(h[m], 1 - rho)) & m
+
+
+def forking_numpy_attached(entropies, mask, rho):       # numpy() on a tensor that requires grad
+    h = entropies.numpy()
+    m = np.asarray(mask, dtype=float) == 1
+    return torch.from_numpy(m & (h >= np.quantile(h[m], 1 - rho)) if m.any() else m)
+
+
+def forking_in_place(entropies, mask, rho):
+    m = mask.bool()
+    entropies.data[~m] = -1.0
+    return forking_quantile(entropies, m, rho)
+
+
+def forking_soft(entropies, mask, rho):                 # a sigmoid is not a selection
+    h, m = entropies.detach(), mask.bool()
+    return torch.sigmoid(h - torch.quantile(h[m], 1 - rho)) * m if m.any() else m
+
+
 RIGHT = [(check_pass_at_k, f) for f in (pass_comb, pass_product, pass_fraction)]
 RIGHT += [(check_strict_answer, f) for f in (strict_regex, strict_loop)]
 RIGHT += [(check_overlong_penalty, f) for f in (overlong_tensor, overlong_loop)]
+RIGHT += [(check_high_entropy_mask, f) for f in (forking_quantile, forking_float64, forking_sorted, forking_numpy,
+                                                forking_float_result)]
 WRONG = [(check_pass_at_k, pass_plug_in, "drawn with replacement"),
          (check_pass_at_k, pass_without_one_minus, "holds no right sample"),
          (check_pass_at_k, pass_union_bound, "counts a subset with two right samples twice"),
@@ -222,7 +343,22 @@ WRONG = [(check_pass_at_k, pass_plug_in, "drawn with replacement"),
          (check_overlong_penalty, overlong_divided_by_L, "divided by the buffer C"),
          (check_overlong_penalty, overlong_no_floor, "the ramp stops at -1"),
          (check_overlong_penalty, overlong_zero_buffer_crash, "with C = 0 nothing is charged"),
-         (check_overlong_penalty, overlong_in_place, "modified in place")]
+         (check_overlong_penalty, overlong_in_place, "modified in place"),
+         (check_high_entropy_mask, forking_padding_in_quantile, "the quantile is over the real tokens only"),
+         (check_high_entropy_mask, forking_padding_as_zero, "not tokens of entropy 0"),
+         (check_high_entropy_mask, forking_per_row, "one threshold for the whole batch"),
+         (check_high_entropy_mask, forking_bottom, "keep the top rho share"),
+         (check_high_entropy_mask, forking_swapped, "the threshold is the (1-rho)-quantile"),
+         (check_high_entropy_mask, forking_strict, "tokens tied with the threshold stay"),
+         (check_high_entropy_mask, forking_keeps_padding, "a padded position is never kept"),
+         (check_high_entropy_mask, forking_lower, "'lower' or 'nearest' can put the threshold"),
+         (check_high_entropy_mask, forking_nearest, "'lower' or 'nearest' can put the threshold"),
+         (check_high_entropy_mask, forking_float32_threshold, "in the entropies' own dtype"),
+         (check_high_entropy_mask, forking_float_mask_index, "0/1 float mask"),
+         (check_high_entropy_mask, forking_empty_crash, "a mask of zeros"),
+         (check_high_entropy_mask, forking_numpy_attached, "entropies.detach()"),
+         (check_high_entropy_mask, forking_in_place, "modified in place"),
+         (check_high_entropy_mask, forking_soft, "return a bool tensor")]
 
 test_right_answers_pass, test_wrong_answers_fail_with_a_hint = grading_tests(RIGHT, WRONG)
 

@@ -13,7 +13,12 @@
   division by zero for a buffer of 0);
 * :func:`check_reward_experiment` - an experiment: GRPO trained on the learner's reward must raise the
   strict accuracy of ``filler-addition`` on held-out prompts (a reward the policy can fool, or one
-  that pays the format or the sum alone, does not).
+  that pays the format or the sum alone, does not);
+* :func:`check_high_entropy_mask` - the forking-token mask of ``top_entropy_quantile`` (mistakes caught:
+  padding in the quantile, as itself or as zeros, a quantile per row, the bottom share, rho and 1 - rho
+  swapped, ``>`` dropping ties, padding kept, ``lower`` or ``nearest`` interpolation, a float32
+  threshold for float64 entropies, a crash on a 0/1 float mask, an empty mask or entropies that
+  require grad).
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ import torch
 
 from rlcourse.grading._core import assert_close, call_unmutated, fail, fail_if_mistake, passed, references, to_numpy
 
-__all__ = ["check_pass_at_k", "check_strict_answer", "check_overlong_penalty", "check_reward_experiment"]
+__all__ = ["check_pass_at_k", "check_strict_answer", "check_overlong_penalty", "check_reward_experiment",
+           "check_high_entropy_mask"]
 
 
 def _subsets_pass_at_k(n: int, c: int, k: int) -> float:
@@ -228,3 +234,153 @@ def check_reward_experiment(fn) -> None:
              "the policy learns what the reward pays: pay only a right sum after at most 3 dots, judged strictly")
     print(f"✔ {name}: GRPO on your reward raised held-out strict accuracy from {before[0]:.3f} to {after.mean():.3f} "
           f"(per seed {', '.join(f'{a:.3f}' for a in after)}; needed +{e['margin']:.2f})")
+
+
+def _forking_cases():
+    """``(case, entropies, mask, rho)``; the check gives each mask as bools and again as 0/1 floats."""
+    gen = torch.Generator().manual_seed(2506)
+    out = []
+    # rows of different entropy scales: one threshold for the batch is not one per row
+    h = torch.rand(3, 10, generator=gen, dtype=torch.float64) * torch.tensor([[0.05], [1.0], [4.0]], dtype=torch.float64)
+    m = torch.ones(3, 10, dtype=torch.bool)
+    for rho in (0.2, 0.5):
+        out.append((f"3 rows of 10 tokens, of entropy scales 0.05, 1 and 4, rho={rho}", h, m, rho))
+    # ragged completions whose padding holds large entropies
+    ragged = torch.rand(4, 8, generator=gen, dtype=torch.float64) * 2
+    ragged_mask = torch.arange(8) < torch.tensor([[8], [5], [3], [6]])
+    ragged = torch.where(ragged_mask, ragged, torch.full_like(ragged, 9.0))
+    ragged_case = "4 ragged rows (lengths 8, 5, 3, 6; the padding holds entropy 9), rho={}"
+    for rho in (0.2, 0.5):
+        out.append((ragged_case.format(rho), ragged, ragged_mask, rho))
+    # one prompt's completions: their first token has one entropy for the whole group, and other
+    # values repeat too (0.3 and 0.1 are not float32 numbers)
+    values = torch.tensor([0.3, 0.1, 0.7, 1.1, 0.3, 1.1, 0.1, 0.7], dtype=torch.float64)
+    for dtype in (torch.float32, torch.float64):
+        h = values[torch.randint(0, 8, (6, 5), generator=gen)]
+        h[:, 0] = 0.3
+        m = torch.arange(5) < torch.tensor([[5], [5], [4], [5], [3], [5]])
+        for rho in (0.5, 0.2, 1.0):
+            out.append((f"6 completions of one prompt in {str(dtype)[6:]}, entropies repeated (ties), rho={rho}",
+                        h.to(dtype), m, rho))
+    for rho in (0.0, 1.0):
+        out.append((ragged_case.format(rho), ragged, ragged_mask, rho))
+    return out
+
+
+def _forking_mistakes(h: torch.Tensor, m: torch.Tensor, rho: float):
+    """What each known mistake keeps on ``(h, m, rho)``, with the hint that names it."""
+    real = h[m]
+
+    def keep(threshold, above=True):
+        return ((h >= threshold) if above else (h <= threshold)) & m
+
+    q = torch.quantile(real, 1 - rho)
+    per_row = torch.stack([torch.quantile(row[k], 1 - rho) if k.any() else row.max() for row, k in zip(h, m)])
+    return [
+        (keep(torch.quantile(h.flatten(), 1 - rho)),
+         "the quantile is over the real tokens only: padded positions are not completion tokens, and the entropy "
+         "they hold must not move the threshold"),
+        (keep(torch.quantile((h * m).flatten(), 1 - rho)),
+         "padded positions are not tokens of entropy 0: take the quantile over the real tokens only"),
+        (keep(per_row[:, None]),
+         "one threshold for the whole batch, the (1-rho)-quantile of all its real tokens (as TRL): a quantile per "
+         "row keeps rho of every completion instead of the batch's most uncertain tokens"),
+        (keep(torch.quantile(real, rho), above=False),
+         "keep the top rho share, H_t >= the (1-rho)-quantile: the high-entropy tokens are the forking ones"),
+        (keep(torch.quantile(real, rho)),
+         "rho is the share kept, so the threshold is the (1-rho)-quantile: rho=0.2 keeps the top 20%"),
+        # a float32 threshold for float64 entropies drops the ties that round up, as ``>`` does: the
+        # cases show ``>`` first where the float32 threshold is right, so each is named by its own hint
+        (keep(torch.quantile(real.float(), 1 - rho)),
+         "compute the threshold in the entropies' own dtype: a float32 threshold compared with float64 entropies "
+         "is rounded, and the tokens tied with it are lost"),
+        ((h > q) & m,
+         "keep H_t >= q: tokens tied with the threshold stay (rho=1 keeps every token, rho=0 the highest; the first "
+         "token of a prompt's completions shares one entropy, so ties are common)"),
+        (h >= q,
+         "a padded position is never kept: AND the result with the mask"),
+    ] + [(keep(torch.quantile(real, 1 - rho, interpolation=how)),
+          "interpolate linearly between the two order statistics around position (1-rho)(n-1), torch.quantile's "
+          "default (as TRL): 'lower' or 'nearest' can put the threshold one token too low") for how in ("lower", "nearest")]
+
+
+def _as_keep(name: str, case: str, expected: torch.Tensor, got) -> np.ndarray:
+    """The learner's answer as a bool array of ``expected``'s shape, or a failure saying what it is."""
+    __tracebackhide__ = True
+    if got is None:
+        fail(name, case, expected, got, "the function returned None: did you forget `return`?")
+    if isinstance(got, torch.Tensor) and got.requires_grad:
+        fail(name, case, "a bool tensor", "a tensor that requires grad",
+             "the mask selects tokens, it is not differentiated: compare values, return a bool tensor")
+    try:
+        array = got.detach().cpu().numpy() if isinstance(got, torch.Tensor) else np.asarray(got)
+    except (TypeError, ValueError, RuntimeError):
+        fail(name, case, expected, f"{type(got).__name__} {got!r:.80}", "return a bool tensor of the entropies' shape")
+    if array.shape != tuple(expected.shape):
+        fail(name, case, f"shape {tuple(expected.shape)}", f"shape {array.shape}",
+             "one flag per position: a bool tensor of the entropies' shape (B, T)")
+    if array.dtype != np.bool_:
+        if array.dtype.kind not in "biuf" or not np.isin(array, (0, 1)).all():
+            fail(name, case, expected, got, "return a bool tensor: True where the token stays in the loss")
+        array = array.astype(bool)
+    return array
+
+
+@references("rlcourse.losses.rlvr:high_entropy_mask")
+def check_high_entropy_mask(fn) -> None:
+    """``fn(entropies, mask, top_entropy_quantile) -> bool (B, T)``: the tokens whose entropy is at least the
+    ``(1 - rho)``-quantile (linear interpolation) of the real tokens' entropies, padded positions never."""
+    __tracebackhide__ = True
+    from rlcourse.losses.rlvr import high_entropy_mask
+
+    name = "check_high_entropy_mask"
+    n = 0
+    for case, h, m, rho in _forking_cases():
+        expected = high_entropy_mask(h, m, rho)
+        for mask, how in ((m, "bool mask"), (m.to(h.dtype), "0/1 float mask")):
+            where = f"{case}, {how}"
+            try:
+                got = call_unmutated(name, where, fn, h, mask, rho)
+            except NotImplementedError:
+                raise
+            except (IndexError, RuntimeError, TypeError) as error:
+                if how == "bool mask":
+                    raise
+                fail(name, where, expected, f"{type(error).__name__}: {error}",
+                     "the mask may hold 0/1 as numbers as well as bools: turn it into bools (mask.bool()) first")
+            keep = _as_keep(name, where, expected, got)
+            if how == "bool mask":
+                for mistake, hint in _forking_mistakes(h, m, rho):
+                    fail_if_mistake(name, where, expected, keep, mistake, hint)
+            assert_close(name, where, expected, keep, atol=0,
+                         hint="keep_t = m_t and H_t >= q, q the (1-rho)-quantile of the real tokens' entropies")
+            n += 1
+    where = "a mask of zeros (no real token), rho=0.2"
+    h, m = torch.rand(2, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64), torch.zeros(2, 4, dtype=torch.bool)
+    try:
+        got = call_unmutated(name, where, fn, h, m, 0.2)
+    except NotImplementedError:
+        raise
+    except (IndexError, RuntimeError, ValueError) as error:
+        fail(name, where, "all False", f"{type(error).__name__}: {error}",
+             "with no real token there is no quantile to take, and nothing to keep: return all False")
+    assert_close(name, where, torch.zeros(2, 4, dtype=torch.bool), _as_keep(name, where, m, got), atol=0,
+                 hint="with no real token there is nothing to keep: return all False")
+    n += 1
+    where = "entropies computed from logits that require grad, as in a trainer, rho=0.2"
+    logits = torch.randn(3, 6, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64, requires_grad=True)
+    logp = torch.log_softmax(logits, dim=-1)
+    h = -(logp.exp() * logp).sum(-1)
+    m = torch.arange(6) < torch.tensor([[6], [4], [5]])
+    expected = high_entropy_mask(h, m, 0.2)
+    try:
+        got = call_unmutated(name, where, fn, h, m, 0.2)
+    except NotImplementedError:
+        raise
+    except RuntimeError as error:
+        fail(name, where, expected, f"RuntimeError: {error}",
+             "a trainer's entropies hang off the policy's graph; the mask is not differentiated: work on "
+             "entropies.detach()")
+    assert_close(name, where, expected, _as_keep(name, where, expected, got), atol=0,
+                 hint="keep_t = m_t and H_t >= q, q the (1-rho)-quantile of the real tokens' entropies")
+    passed(name, n + 1)
