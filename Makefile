@@ -47,8 +47,13 @@ lab: $(STAMP)
 # The lessons run under nbval; the solution notebooks run under the grader instead
 # (tests/test_grading_solutions.py: every cell in a kernel, every check in its worker), which
 # covers all that nbval would, so they are not executed a second time.
+# TEST_WORKERS pytest-xdist workers share the files: `--dist loadfile` keeps each test file and
+# each notebook (whose cells share one kernel, in order) on one worker. Each test runs mostly on
+# one core, so two workers on a 2-core machine roughly halve the wall time; TEST_WORKERS=0 runs
+# everything in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	RLCOURSE_PROFILE=$(TEST_PROFILE) $(BIN)/python -m pytest --nbval-lax tests course $(PYTEST_ARGS)
+	RLCOURSE_PROFILE=$(TEST_PROFILE) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --nbval-lax tests course $(PYTEST_ARGS)
 
 # Re-execute the committed lesson and solution notebooks (with outputs) and regenerate exercises/.
 notebooks: $(STAMP)

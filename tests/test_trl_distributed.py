@@ -15,7 +15,9 @@ import rlcourse  # noqa: F401
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 SCRIPT = ["-m", "rlcourse.tools.trl_grpo", "--cpu", "--steps", "3", "--eval-prompts", "20"]
-COMMON = ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+# A port of its own: lesson 13 launches DDP on accelerate's default port, and `make test` may run it
+# in the other worker at the same time.
+COMMON = ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517"]
 
 
 def launch(tmp_path, *launcher_args):
