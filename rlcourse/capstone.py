@@ -48,10 +48,10 @@ from rlcourse.lm.dpo import DPOConfig, reward_and_kl, train_dpo
 from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
 from rlcourse.lm.sft import train_sft
 from rlcourse.runtime import seed_everything
+from rlcourse.stats import t_interval
 
-__all__ = ["ALGORITHMS", "MODELS_HELD", "SEED_BATCHED", "T975", "CapstoneConfig", "run", "run_seeds", "compare",
-           "evaluate_start", "summary", "t_interval", "interval_above", "intervals_separate", "paired_difference",
-           "start_results", "curve_band"]
+__all__ = ["ALGORITHMS", "MODELS_HELD", "SEED_BATCHED", "CapstoneConfig", "run", "run_seeds", "compare",
+           "evaluate_start", "summary", "paired_difference", "start_results", "curve_band"]
 
 # name -> PolicyGradientConfig overrides (None: a trainer of its own)
 _PG = {
@@ -357,38 +357,6 @@ def compare(algorithms=ALGORITHMS, seeds=(0, 1, 2), cfg: CapstoneConfig | None =
                 results.append(run(algorithm, seed, cfg, device=device, start=starts[int(seed)]))
                 bar.update(1)
     return results
-
-
-# Student's t quantile t_{0.975, df}, from standard tables (df > 30: the normal's 1.96 is within 4%).
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-         10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
-
-
-def t_interval(values) -> tuple[float, float]:
-    """Mean and half-width of the 95% Student-t interval: ``mean +/- t_{0.975, n-1} s / sqrt(n)``.
-
-    ``s`` is the sample standard deviation (``ddof=1``). With 3 seeds ``t = 4.303``: the interval
-    is wide, and two algorithms are called different only where their intervals do not overlap.
-    """
-    x = np.asarray(values, dtype=float)
-    if x.ndim != 1 or len(x) < 2 or not np.isfinite(x).all():
-        raise ValueError(f"values must be at least 2 finite numbers, got {values!r}")
-    df = len(x) - 1
-    t = T975[max(k for k in T975 if k <= df)] if df <= 30 else 1.96
-    return float(x.mean()), float(t * x.std(ddof=1) / math.sqrt(len(x)))
-
-
-def interval_above(a, b) -> bool:
-    """Whether interval ``a = (mean, half_width)`` lies entirely above ``b``: ``a_mean - a_half > b_mean + b_half``.
-
-    Strict: intervals that touch are not separated.
-    """
-    return float(a[0]) - float(a[1]) > float(b[0]) + float(b[1])
-
-
-def intervals_separate(a, b) -> bool:
-    """Whether two ``(mean, half_width)`` intervals do not overlap (either one above the other)."""
-    return interval_above(a, b) or interval_above(b, a)
 
 
 def paired_difference(results: list[dict], a: str, b: str, key: str = "validity") -> tuple[float, float]:

@@ -9,7 +9,7 @@ import rlcourse  # noqa: F401  (before torch)
 import numpy as np
 import torch
 
-from rlcourse.capstone import t_interval
+from rlcourse.stats import t_interval
 from rlcourse.lm.trl_bridge import grpo_config_kwargs
 
 

@@ -181,7 +181,7 @@ WRONG = [
     (check_implicit_reward, reward_reversed, "sign"),
     (check_implicit_reward, reward_divides, "do not divide"),
     (check_implicit_reward, reward_no_reference, "reference"),
-    (check_implicit_reward, reward_ratio_of_probs, "expected"),
+    (check_implicit_reward, reward_ratio_of_probs, "underflows"),
     (check_ipo_loss, ipo_target_one_over_beta, "not 1 / beta"),
     (check_ipo_loss, ipo_scaled_margin, "not beta"),
     (check_ipo_loss, ipo_plus_target, "AHEAD"),

@@ -117,7 +117,7 @@ def test_reference_passes_with_one_line(check, fn, kwargs, capsys):
 
 
 def test_the_library_reference_passes_too():
-    from rlcourse.capstone import intervals_separate as ref_separate, t_interval as ref_t
+    from rlcourse.stats import intervals_separate as ref_separate, t_interval as ref_t
 
     check_t_interval(ref_t)
     check_intervals_separate(ref_separate)

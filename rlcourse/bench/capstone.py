@@ -25,9 +25,9 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.bench._memory import RSSWatcher
-from rlcourse.capstone import (ALGORITHMS, CapstoneConfig, compare, interval_above, paired_difference, summary,
-                               t_interval)
+from rlcourse.capstone import ALGORITHMS, CapstoneConfig, compare, paired_difference, summary
 from rlcourse.runtime import describe, device
+from rlcourse.stats import interval_above, t_interval
 
 
 def _run_algorithm(algorithm: str, seeds: list[int], cfg: CapstoneConfig, threads: int) -> tuple[list[dict], float]:

@@ -71,12 +71,12 @@ def relative_gap(received: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def assert_same_gradient(check: str, case: str, expected: torch.Tensor, received: torch.Tensor | None,
-                         otherwise: str, tol: float = 1e-4, longer: str | None = None) -> None:
+                         otherwise: str, tol: float = 1e-4, longer: str | None = None, close: str | None = None) -> None:
     """Fail unless the gradient the learner's step applied equals the reference step's (relative ``tol``).
 
     The message says what was measured: no step, a zero gradient, the opposite direction, the right
-    direction at another length (``longer`` says why it may be), or another direction (``otherwise`` says
-    where to look).
+    direction at another length (``longer`` says why it may be), almost the same direction (``close``
+    says which weighting to look at), or another direction (``otherwise`` says where to look).
     """
     __tracebackhide__ = True
     if received is None:
@@ -98,17 +98,17 @@ def assert_same_gradient(check: str, case: str, expected: torch.Tensor, received
         fail(check, case, "the reference step's gradient", measured,
              f"the right direction at {norm / ref_norm:.3g} times the length: {longer or _LONGER}")
     if cosine > 0.99:
-        fail(check, case, "the reference step's gradient", measured,
-             "almost the reference's direction: the same tokens weighted differently (check the average that "
-             "loss_type asks for)")
+        fail(check, case, "the reference step's gradient", measured, close or _CLOSE)
     fail(check, case, "the reference step's gradient", measured, otherwise)
 
 
 _LONGER = "the average is taken over the wrong number of terms (check the normaliser of loss_type and the mask)"
+_CLOSE = ("almost the reference's direction: the same terms weighted a little differently (check each average: over "
+          "which tokens, with which normaliser)")
 
 
 def assert_call_gradient(check: str, case: str, call: int, mine: RecordingSGD, theirs: RecordingSGD, otherwise: str,
-                         longer: str = _LONGER) -> None:
+                         longer: str = _LONGER, close: str | None = None) -> None:
     """After call ``call`` (0-based) of the learner's step and of the reference's: one ``step()`` per call
     so far, no gradient left over from the previous call, and the same gradient (:func:`assert_same_gradient`)."""
     __tracebackhide__ = True
@@ -120,11 +120,11 @@ def assert_call_gradient(check: str, case: str, call: int, mine: RecordingSGD, t
             and relative_gap(received, expected + mine.seen[call - 1]) < 1e-4):
         fail(check, case, "the gradient of this call's loss", "the sum of this call's and the last call's",
              "gradients add up in .grad across backward() calls: zero them before backward")
-    assert_same_gradient(check, case, expected, received, otherwise, longer=longer)
+    assert_same_gradient(check, case, expected, received, otherwise, longer=longer, close=close)
 
 
 def check_sampling_step(name: str, fn, reference, settings: list, learning: dict, otherwise: str,
-                        call_prompts: int = 6, call_completions: int = 4) -> None:
+                        call_prompts: int = 6, call_completions: int = 4, close: str | None = None) -> None:
     """The two measurements of a sampling policy-gradient step (lessons 09, 10 and 10c) on ``addition-partial``.
 
     ``fn(model, optimizer, tokenizer, task, prompts, generator, num_generations, *extra) -> mean reward``
@@ -157,7 +157,7 @@ def check_sampling_step(name: str, fn, reference, settings: list, learning: dict
                      "draw the completions once per call: each prompt num_generations times in a row "
                      "([p for p in prompts for _ in range(num_generations)]), with sample(..., generator=generator); "
                      "return the mean of their rewards")
-            assert_call_gradient(name, label, call, opt_mine, opt_theirs, otherwise)
+            assert_call_gradient(name, label, call, opt_mine, opt_theirs, otherwise, close=close)
     s = learning
     held_out = task.test_prompts(s["held_out"])
     before = exact_match(start, tokenizer, task, held_out)

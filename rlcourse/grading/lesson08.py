@@ -413,7 +413,10 @@ def check_ppo_update(fn) -> None:
                                  "(gamma = 1) and are whitened over the real tokens; the returns are the advantages "
                                  "before whitening plus the stored values; the ratio is against the batch's "
                                  "log-probs (the sampler's); both losses are means over the real tokens",
-                                 longer="a loss averaged over another number of terms, or vf_coef applied elsewhere")
+                                 longer="a loss averaged over another number of terms, or vf_coef applied elsewhere",
+                                 close="almost the reference's direction: the same tokens weighted a little differently "
+                                       "(are the advantages whitened over the real tokens only, and the returns taken "
+                                       "from the advantages before whitening?)")
             got = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
             if got is None or abs(float(got) - expected_loss) > 1e-5:
                 fail(name, label, f"loss {expected_loss:.6f}", got, "return the loss the step minimised, as a float")

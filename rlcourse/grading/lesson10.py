@@ -349,7 +349,9 @@ def check_grpo_step(fn) -> None:
     check_sampling_step("check_grpo_step", fn, _reference_update, settings, STEP_LEARNING,
                         "another direction: the advantages are normalised within each group of num_generations "
                         "completions; the ratio is the model's log-probs (with grad) against the sampler's; padding "
-                        "is left out of every sum")
+                        "is left out of every sum",
+                        close="almost the reference's direction: the same tokens weighted a little differently (check "
+                              "the average that loss_type asks for)")
 
 
 BUG_SETTINGS = [(0.7, 2), (0.5, 3)]

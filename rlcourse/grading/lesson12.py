@@ -29,11 +29,11 @@ def _pair(name, case, got):
     return got
 
 
-@references("rlcourse.capstone:t_interval")
+@references("rlcourse.stats:t_interval")
 def check_t_interval(fn) -> None:
     """``fn(values) -> (mean, half_width)`` with ``half_width = t_{0.975, n-1} * s / sqrt(n)``, ``s`` with ``ddof=1``."""
     __tracebackhide__ = True
-    from rlcourse.capstone import T975, t_interval as reference
+    from rlcourse.stats import T975, t_interval as reference
 
     name = "check_t_interval"
     rng = np.random.default_rng(120)
@@ -67,11 +67,11 @@ def check_t_interval(fn) -> None:
     passed(name, len(cases))
 
 
-@references("rlcourse.capstone:intervals_separate", "rlcourse.capstone:interval_above")
+@references("rlcourse.stats:intervals_separate", "rlcourse.stats:interval_above")
 def check_intervals_separate(fn) -> None:
     """``fn(a, b) -> bool``: True when the intervals ``mean +/- half_width`` of ``a`` and ``b`` do not overlap."""
     __tracebackhide__ = True
-    from rlcourse.capstone import intervals_separate as reference
+    from rlcourse.stats import intervals_separate as reference
 
     name = "check_intervals_separate"
     cases = [("a clearly above b", (0.8, 0.05), (0.5, 0.1)),
@@ -105,7 +105,8 @@ def check_final_validity_intervals(fn, algorithms=("REINFORCE", "RFT"), seeds=(4
     are neither 0, 1, 2 nor in order: an answer must use the ones it is given.
     """
     __tracebackhide__ = True
-    from rlcourse.capstone import CapstoneConfig, run, t_interval
+    from rlcourse.capstone import CapstoneConfig, run
+    from rlcourse.stats import t_interval
 
     name = "check_final_validity_intervals"
     cfg = CapstoneConfig(budget=budget, eval_points=1)
