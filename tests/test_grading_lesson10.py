@@ -1,5 +1,6 @@
 """Lesson 10's checks pass reference answers and catch plausible wrong ones."""
 import pytest
+from grading_asserts import assert_fails
 
 import rlcourse  # noqa: F401
 import torch
@@ -7,7 +8,7 @@ import torch
 from rlcourse.grading import CheckFailed
 from rlcourse.grading.lesson10 import (check_aggregate_loss, check_group_advantages, check_grpo_loss, check_grpo_step,
                                        check_grpo_update,
-                                       check_length_bias_experiment, check_sequence_ratio)
+                                       check_length_bias_experiment, check_sequence_ratio, check_variant_losses)
 from rlcourse.lm import sample, sequence_logprobs
 from rlcourse.lm.length_bias import wrong_answer_lengths
 from rlcourse.losses import group_advantages
@@ -223,6 +224,78 @@ def test_grpo_loss_check(capsys):
 def test_grpo_loss_check_catches(mistake):
     with pytest.raises(CheckFailed):
         check_grpo_loss(_wrong_loss(**mistake))
+
+
+# ------------------------------------------------------------------ CISPO and SAPO
+def variant_ok(logp, old, adv, mask, loss_type, eps_max=5.0, tau_pos=1.0, tau_neg=1.05, *, sign=-1.0,
+               detach_weight=True, cap=True, weigh="log pi", tau_rule="by sign", scale=True, shift=1.0, select=True,
+               detach_ratio=False):
+    """A correct answer; each keyword turns one plausible mistake on."""
+    real = mask.bool()
+    zero = torch.zeros_like(logp)
+    lp = torch.where(real, logp, zero) if select else logp * mask
+    rho = torch.exp((lp.detach() if detach_ratio else lp) - (torch.where(real, old, zero) if select else old * mask))
+    a = adv[:, None].to(lp.dtype)
+    if loss_type == "cispo":
+        w = rho.clamp(max=eps_max) if cap else rho
+        w = w.detach() if detach_weight else w
+        if weigh == "ppo clip":
+            loss = -torch.minimum(rho * a, rho.clamp(0.8, 1 + eps_max) * a)
+        else:
+            loss = sign * w * a * (lp if weigh == "log pi" else 1.0)
+    else:
+        pos, neg = {"by sign": (tau_pos, tau_neg), "swapped": (tau_neg, tau_pos), "one": (tau_pos, tau_pos)}[tau_rule]
+        tau = torch.where(a > 0, torch.full_like(a, pos), torch.full_like(a, neg))
+        loss = sign * torch.sigmoid(tau * (rho - shift)) * (4 / tau if scale else 1.0) * a
+    return torch.where(real, loss, zero) if select else loss * mask
+
+
+def variant_float64_other_order(logp, old, adv, mask, loss_type, eps_max=5.0, tau_pos=1.0, tau_neg=1.05):
+    """Right, written differently: float64, the weight detached before the cap, sigmoid by hand."""
+    real = mask.bool()
+    lp = logp.double().masked_fill(~real, 0.0)
+    rho = (lp - old.double().masked_fill(~real, 0.0)).exp()
+    a = adv.double().unsqueeze(1)
+    if loss_type == "cispo":
+        out = (-a) * torch.minimum(rho.detach(), torch.tensor(eps_max, dtype=torch.float64)) * lp
+    else:
+        tau = tau_neg + (tau_pos - tau_neg) * (a > 0).double()
+        out = -(4 / tau) * a / (1 + torch.exp(-tau * (rho - 1)))
+    return out.masked_fill(~real, 0.0)
+
+
+def _wrong_variant(**mistake):
+    def fn(*args):
+        return variant_ok(*args, **mistake)
+    fn.__name__ = "_".join(f"{k}={v}" for k, v in mistake.items())
+    return fn
+
+
+VARIANT_MISTAKES = {       # name: (the slip, a phrase the check's message must contain)
+    "cispo: the weight keeps its gradient": (dict(detach_weight=False), "stops its gradient"),
+    "cispo: the weight uncapped": (dict(cap=False), "the weight is capped"),
+    "cispo: PPO's clipped surrogate": (dict(weigh="ppo clip"), "PPO's clipped surrogate"),
+    "cispo: the ratio weighed, not log pi": (dict(weigh="none"), "times A times log pi"),
+    "cispo and sapo: the sign": (dict(sign=1.0), "the optimiser minimises"),
+    "sapo: one temperature": (dict(tau_rule="one"), "tau is tau_pos where A > 0"),
+    "sapo: the temperatures swapped": (dict(tau_rule="swapped"), "swapped"),
+    "sapo: no 4 / tau": (dict(scale=False), "4 / tau"),
+    "sapo: the gate at rho, not rho - 1": (dict(shift=0.0), "centred at rho = 1"),
+    "padding multiplied by the mask (nan)": (dict(select=False), "padded positions get 0"),
+    "sapo: the ratio of detached log-probs": (dict(detach_ratio=True), "keeping its graph"),
+}
+
+
+@pytest.mark.parametrize("answer", [variant_ok, variant_float64_other_order], ids=["as written", "float64, other order"])
+def test_variant_losses_check(answer, capsys):
+    check_variant_losses(answer)
+    out = capsys.readouterr().out
+    assert "check_variant_losses" in out and "(cispo)" in out and "(sapo)" in out
+
+
+@pytest.mark.parametrize("mistake, hint", VARIANT_MISTAKES.values(), ids=VARIANT_MISTAKES.keys())
+def test_variant_losses_check_catches(mistake, hint):
+    assert_fails(check_variant_losses, _wrong_variant(**mistake), hint)
 
 
 # ------------------------------------------------------------------ one GRPO step

@@ -91,6 +91,11 @@ def ipo_ok(cw, cl, rw, rl, beta):
     return ((cw - rw) - (cl - rl) - 1 / (2 * beta)) ** 2
 
 
+def ipo_without_graph(cw, cl, rw, rl, beta):   # right numbers, but no gradient: nothing can be fitted with it
+    h = (cw - rw) - (cl - rl) - 1 / (2 * beta)
+    return torch.tensor((h ** 2).tolist(), dtype=cw.dtype)
+
+
 def ipo_target_one_over_beta(cw, cl, rw, rl, beta):
     return ((cw - rw) - (cl - rl) - 1 / beta) ** 2
 
@@ -188,6 +193,7 @@ WRONG = [
     (check_ipo_loss, ipo_no_square, "square"),
     (check_ipo_loss, ipo_no_reference, "reference"),
     (check_ipo_loss, ipo_dpo_instead, "expected"),
+    (check_ipo_loss, ipo_without_graph, "keep the loss differentiable"),
     (check_fit_dpo_policy, fit_no_reference, "reference"),
     (check_fit_dpo_policy, fit_too_short, "KL"),
     (check_fit_dpo_policy, fit_wrong_beta, "KL"),

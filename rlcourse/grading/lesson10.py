@@ -6,7 +6,7 @@
 * :func:`check_aggregate_loss` - sequence mean (grpo), token mean (dapo), constant (dr_grpo), with
   ``loss_type`` strings built at run time (``is`` is not ``==``) and padding holding inf and nan
   (multiplying by the mask makes nan);
-* :func:`check_sequence_ratio` - GSPO's length-normalised sequence ratio;
+* :func:`check_sequence_ratio` - GSPO's length-normalised sequence ratio, then GSPO trained with it;
 * :func:`check_length_bias_experiment` - an experiment: the learner's training loop on the exact
   oracle must reproduce Dr. GRPO's finding (wrong answers grow longer under grpo's aggregation);
 * :func:`check_grpo_loss` - the clipped per-token loss with clip-higher and beta * k3, aggregated by
@@ -15,6 +15,11 @@
   k3, another loss_type's average, junk padding let in, a detached ratio);
 * :func:`check_grpo_step` - a whole GRPO update, checked by the gradient it hands the optimiser
   (against the reference step on the same samples) and by a short training run that must learn;
+* :func:`check_variant_losses` - CISPO's and SAPO's per-token losses: value and gradient (mistakes
+  caught: CISPO's weight left with its gradient, uncapped, PPO's clip instead, the ratio weighed
+  instead of log pi; SAPO's temperatures as one or swapped, no 4/tau, the gate at rho instead of
+  rho - 1; either sign flipped; junk padding let in), then GRPO's update with the learner's loss
+  must train;
 * :func:`check_grpo_update` - find the bug: an update that samples at a temperature and takes
   several clipped steps, fixed; measured by the ratio before any update and every step's gradient.
 """
@@ -25,7 +30,8 @@ import torch
 from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy, references
 
 __all__ = ["check_group_advantages", "check_aggregate_loss", "check_sequence_ratio",
-           "check_length_bias_experiment", "check_grpo_loss", "check_grpo_step", "check_grpo_update"]
+           "check_length_bias_experiment", "check_grpo_loss", "check_grpo_step", "check_variant_losses",
+           "check_grpo_update"]
 
 
 def _unmutated(name, case, fn, *args):
@@ -146,7 +152,9 @@ def check_aggregate_loss(fn) -> None:
 
 @references("rlcourse.losses.grpo:importance_weights")
 def check_sequence_ratio(fn) -> None:
-    """``fn(logprobs, old_logprobs, mask) -> (B, 1)``: ``exp(mean over real tokens of (logp - old))``."""
+    """``fn(logprobs, old_logprobs, mask) -> (B, 1)``: ``exp(mean over real tokens of (logp - old))``, its
+    value and gradient; then GSPO's clipped update with the learner's ratio (the paper's range, two steps
+    per batch) trains ``addition-partial`` for 30 steps, and held-out exact match must rise by 5 points."""
     __tracebackhide__ = True
     from rlcourse.losses.grpo import importance_weights
 
@@ -178,7 +186,46 @@ def check_sequence_ratio(fn) -> None:
         assert_close(name, case + " (gradient)", ref_logp.grad, logp.grad, atol=1e-5,
                      hint="only old_logprobs is a constant")
         n += 1
-    passed(name, n)
+    before, after = _train_with(fn_loss=lambda logp, old, adv, mask: _gspo_per_sequence(fn(logp, old, mask), adv),
+                                loss_type="grpo", steps=GSPO_LEARNING["steps"])
+    if not after >= before + GSPO_LEARNING["margin"]:
+        fail(name, f"{GSPO_LEARNING['steps']} GSPO updates with your ratio (clip [1 - 3e-4, 1 + 4e-4], two steps per "
+                   f"batch)", f"held-out exact match at least {before + GSPO_LEARNING['margin']:.3f} (from {before:.3f})",
+             f"{after:.3f}", "the values and gradients agreed on the test batches: check the ratio's shape (B, 1)")
+    print(f"✔ {name}: all {n} cases passed; {GSPO_LEARNING['steps']} GSPO updates with your ratio took held-out exact "
+          f"match from {before:.1%} to {after:.1%}")
+
+
+GSPO_LEARNING = {"steps": 30, "margin": 0.05}
+
+
+def _gspo_per_sequence(ratio, advantages):
+    """GSPO's clipped loss of each completion, ``(B, 1)``, at the GSPO paper's range [1 - 3e-4, 1 + 4e-4]."""
+    a = advantages.detach()[:, None]
+    return -torch.minimum(ratio * a, ratio.clamp(1 - 3e-4, 1 + 4e-4) * a)
+
+
+def _train_with(fn_loss, loss_type: str, steps: int, num_iterations: int = 2, lr: float = 1e-4, groups: int = 8,
+                num_generations: int = 8, held_out: int = 300) -> tuple[float, float]:
+    """Held-out exact match of ``addition-partial`` before and after ``steps`` of the course's GRPO update with
+    ``fn_loss(logprobs, old_logprobs, advantages, mask)`` as the per-token (or per-completion) loss, aggregated
+    as ``loss_type`` says (Adam, ``groups`` prompts x ``num_generations``, ``num_iterations`` steps per batch)."""
+    import copy
+
+    import numpy as np
+
+    from rlcourse.grading._steps import addition_start
+    from rlcourse.lm import exact_match
+
+    task, start, tokenizer = addition_start()
+    prompts = task.test_prompts(held_out)
+    model = copy.deepcopy(start)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
+    for _ in range(steps):
+        _reference_update(model, optimizer, tokenizer, task, task.prompts(groups, rng), gen, num_generations,
+                          loss_type, num_iterations=num_iterations, per_token_fn=fn_loss)
+    return exact_match(start, tokenizer, task, prompts), exact_match(model, tokenizer, task, prompts)
 
 
 def check_length_bias_experiment(fn) -> None:
@@ -307,10 +354,12 @@ def check_grpo_loss(fn) -> None:
 
 
 def _reference_update(model, optimizer, tokenizer, task, prompts, generator, num_generations, loss_type="dapo",
-                      epsilon=0.2, epsilon_high=None, temperature=1.0, num_iterations=1):
+                      epsilon=0.2, epsilon_high=None, temperature=1.0, num_iterations=1, per_token_fn=None):
     """The reference GRPO update: one group per prompt sampled at ``temperature``, then
     ``num_iterations`` clipped steps on it. Returns the mean reward and, per step, the share of real
-    tokens whose ratio was outside [1 - epsilon, 1 + epsilon] when its gradient was taken."""
+    tokens whose ratio was outside [1 - epsilon, 1 + epsilon] when its gradient was taken.
+    ``per_token_fn(logprobs, old_logprobs, advantages, mask)``, when given, replaces
+    :func:`~rlcourse.losses.grpo.per_token_loss` (a learner's loss trained by the course's update)."""
     from rlcourse.lm import sample, sequence_logprobs
     from rlcourse.losses.grpo import aggregate_loss, group_advantages, per_token_loss
 
@@ -322,7 +371,8 @@ def _reference_update(model, optimizer, tokenizer, task, prompts, generator, num
     outside = []
     for _ in range(num_iterations):
         logp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, mask, roll.prompt_mask, temperature)
-        per_token = per_token_loss(logp, roll.logprobs, advantages, mask, loss_type, epsilon, epsilon_high)
+        per_token = (per_token_fn(logp, roll.logprobs, advantages, mask) if per_token_fn is not None
+                     else per_token_loss(logp, roll.logprobs, advantages, mask, loss_type, epsilon, epsilon_high))
         loss = aggregate_loss(per_token, mask, loss_type, task.max_new_tokens)
         optimizer.zero_grad()
         loss.backward()
@@ -352,6 +402,105 @@ def check_grpo_step(fn) -> None:
                         "is left out of every sum",
                         close="almost the reference's direction: the same tokens weighted a little differently (check "
                               "the average that loss_type asks for)")
+
+
+VARIANT_SETTINGS = [("cispo", 5.0, 1.0, 1.05), ("cispo", 1.5, 1.0, 1.05), ("sapo", 5.0, 1.0, 1.05),
+                    ("sapo", 5.0, 2.0, 0.5)]
+VARIANT_LEARNING = {"steps": 30, "lr": 1e-4, "groups": 8, "num_generations": 8, "num_iterations": 2,
+                    "held_out": 300, "margin": 0.05}
+
+
+def _variant_mistakes(loss_type, rho, a, logp, eps_max, tau_pos, tau_neg):
+    """(per-token loss, hint) of the usual slips, computed on the real tokens (float64)."""
+    if loss_type == "cispo":
+        w = rho.clamp(max=eps_max)
+        return [(w * a * logp, "the optimiser minimises: the loss is -sg(min(rho, epsilon_max)) A log pi"),
+                (-rho * a * logp, "the weight is capped: min(rho, epsilon_max)"),
+                (-torch.minimum(rho * a, rho.clamp(0.8, 1 + eps_max) * a),
+                 "that is PPO's clipped surrogate: CISPO weighs log pi by the capped ratio, a constant"),
+                (-w * a, "CISPO's loss is the capped ratio (a constant) times A times log pi")]
+    tau = torch.where(a > 0, torch.full_like(a, tau_pos), torch.full_like(a, tau_neg))
+    swapped = torch.where(a > 0, torch.full_like(a, tau_neg), torch.full_like(a, tau_pos))
+
+    def gate(t, shift=1.0, scale=True):
+        return -torch.sigmoid(t * (rho - shift)) * (4.0 / t if scale else 1.0) * a
+
+    return [(-gate(tau), "the optimiser minimises: the loss is -(4 / tau) sigmoid(tau (rho - 1)) A"),
+            (gate(torch.full_like(a, tau_pos)), "tau is tau_pos where A > 0 and tau_neg elsewhere"),
+            (gate(torch.full_like(a, tau_neg)), "tau is tau_pos where A > 0 and tau_neg elsewhere"),
+            (gate(swapped), "tau_pos and tau_neg swapped: tau_pos belongs to A > 0"),
+            (gate(tau, scale=False), "the gate is scaled by 4 / tau, so that its gradient at rho = 1 is the plain one"),
+            (gate(tau, shift=0.0), "the gate is centred at rho = 1: sigmoid(tau (rho - 1))")]
+
+
+@references("rlcourse.losses.grpo:per_token_loss")
+def check_variant_losses(fn) -> None:
+    """``fn(logprobs, old_logprobs, advantages, mask, loss_type, epsilon_max, tau_pos, tau_neg) -> (B, T)``:
+    the per-token losses of CISPO (``-sg(min(rho, epsilon_max)) A log pi``) and SAPO
+    (``-(4 / tau) sigmoid(tau (rho - 1)) A``), 0 on padding. Their values and the gradient of their sum
+    with respect to ``logprobs`` are compared with :func:`~rlcourse.losses.grpo.per_token_loss` on ragged
+    batches with junk padding and ratios from about 0.3 to 3. Then the course's GRPO update, with the
+    learner's per-token loss in place of the course's, trains ``addition-partial`` for 30 steps per loss
+    (8 prompts x 8 completions, two steps per batch): held-out exact match must rise by 5 points."""
+    __tracebackhide__ = True
+    from rlcourse.losses.grpo import per_token_loss
+
+    name = "check_variant_losses"
+    n = 0
+    for case, logp, old, _, adv, mask in _loss_cases(107):
+        real = mask.bool()
+        for loss_type, eps_max, tau_pos, tau_neg in VARIANT_SETTINGS:
+            knobs = f"epsilon_max={eps_max}" if loss_type == "cispo" else f"tau_pos={tau_pos}, tau_neg={tau_neg}"
+            label = f"{case}, loss_type={loss_type!r}, {knobs}"
+            mine = logp.clone().requires_grad_()
+            got = _unmutated(name, label, fn, mine, old, adv, mask, "".join(loss_type), eps_max, tau_pos, tau_neg)
+            theirs = logp.clone().requires_grad_()
+            expected = per_token_loss(theirs, old, adv, mask, loss_type, 0.2, eps_max, sapo_temperature_pos=tau_pos,
+                                      sapo_temperature_neg=tau_neg)
+            if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(expected.shape):
+                fail(name, label, f"a tensor of shape {tuple(expected.shape)}: one loss per token",
+                     getattr(got, "shape", type(got).__name__), "return the per-token losses, before any average")
+            zero = torch.zeros_like(logp)
+            lp, o = (torch.where(real, x, zero).double() for x in (logp, old))
+            for value, hint in _variant_mistakes(loss_type, (lp - o).exp(), adv.double()[:, None], lp, eps_max,
+                                                 tau_pos, tau_neg):
+                fail_if_mistake(name, label, expected, got, torch.where(real, value, torch.zeros_like(value)), hint)
+            if not torch.isfinite(got.detach()).all():
+                fail(name, label, expected, got, "padding may hold nan or inf: padded positions get 0")
+            assert_close(name, label, expected, got, atol=1e-5, rtol=1e-5,
+                         hint="cispo: -sg(min(rho, epsilon_max)) A log pi; sapo: -(4 / tau) sigmoid(tau (rho - 1)) A; "
+                              "0 on padding")
+            expected.sum().backward()
+            if got.grad_fn is None:
+                fail(name, label, "losses with a gradient into logprobs", "no graph",
+                     "compute the losses with torch operations on logprobs, keeping its graph")
+            got.sum().backward()
+            grad = mine.grad if mine.grad is not None else torch.zeros_like(mine)
+            assert_close(name, label + " (gradient of the summed losses with respect to logprobs)", theirs.grad, grad,
+                         atol=1e-5, rtol=1e-4,
+                         hint=("the value is right but not its gradient: the capped ratio is a weight, sg(...) stops "
+                               "its gradient (detach it), so each token's gradient is -min(rho, epsilon_max) A "
+                               "grad log pi" if loss_type == "cispo" else
+                               "the value is right but not its gradient: only logprobs carries the graph; "
+                               "old_logprobs and the advantages are constants"))
+            n += 1
+    s = VARIANT_LEARNING
+    reached = {}
+    for loss_type in ("cispo", "sapo"):
+        def yours(logprobs, old_logprobs, advantages, mask, loss_type=loss_type):
+            return fn(logprobs, old_logprobs, advantages, mask, loss_type, 5.0, 1.0, 1.05)
+
+        before, reached[loss_type] = _train_with(yours, loss_type, s["steps"], s["num_iterations"], s["lr"], s["groups"],
+                                                 s["num_generations"], s["held_out"])
+        if not reached[loss_type] >= before + s["margin"]:
+            fail(name, f"{s['steps']} GRPO updates with your {loss_type!r} loss (Adam, lr {s['lr']}, {s['groups']} "
+                       f"prompts x {s['num_generations']}, {s['num_iterations']} steps per batch)",
+                 f"held-out exact match at least {before + s['margin']:.3f} (from {before:.3f})",
+                 f"{reached[loss_type]:.3f}", "the values and gradients agreed on the test batches: look at what your "
+                                               "loss does with advantages of either sign")
+    print(f"✔ {name}: values and gradients equal the reference's ({n} cases); {s['steps']} GRPO updates with your "
+          f"losses took held-out exact match from {before:.1%} to {reached['cispo']:.1%} (cispo) and "
+          f"{reached['sapo']:.1%} (sapo)")
 
 
 BUG_SETTINGS = [(0.7, 2), (0.5, 3)]

@@ -131,7 +131,9 @@ def check_implicit_reward(fn) -> None:
             "rlcourse.losses.dpo:dpo_logratio_margin")
 def check_ipo_loss(fn) -> None:
     """``fn(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta) -> (B,)``:
-    ``(h - 1 / (2 beta))^2`` per pair, ``h`` the log-ratio margin (sequence-level, no length normalisation)."""
+    ``(h - 1 / (2 beta))^2`` per pair, ``h`` the log-ratio margin (sequence-level, no length normalisation).
+    Then a tabular policy fitted with the learner's loss (L-BFGS on the exact expected loss over every
+    labelled pair of a small bandit) must land on the fit with the course's ``ipo_loss``."""
     __tracebackhide__ = True
     from rlcourse.losses import ipo_loss
 
@@ -154,7 +156,38 @@ def check_ipo_loss(fn) -> None:
             fail_if_mistake(name, case, expected, _grad_free(got), mistake, hint)
         assert_close(name, case, expected, _grad_free(got), hint="(h - 1/(2 beta))^2, h = the log-ratio margin",
                      atol=1e-7, rtol=1e-7)
-    passed(name, len(cases))
+    gap, kl_to_dpo = _fit_ipo_with(fn)
+    if not gap < 1e-4:
+        fail(name, "a tabular policy fitted with your loss to every labelled pair of a 3-prompt, 4-answer bandit "
+                   "(beta 0.5)", "IPO's optimum (the same fit with the course's ipo_loss)",
+             f"a policy {gap:.2e} away in log-probability", "the values agreed on the test pairs: keep the loss "
+                                                            "differentiable in the log-probs (torch operations, no .item())")
+    print(f"✔ {name}: all {len(cases)} cases passed; a tabular policy fitted with your loss lands on IPO's optimum "
+          f"(largest log-prob gap {gap:.0e}), {kl_to_dpo:.3f} nats of KL from DPO's")
+
+
+def _fit_ipo_with(fn) -> tuple[float, float]:
+    """Fit a tabular policy to every labelled pair of a small bandit (exact weights) with ``fn`` as IPO's loss;
+    return its largest |log-prob| gap to the fit with the course's ``ipo_loss``, and the mean KL from the
+    reference fit to DPO's optimum (IPO's finite target keeps it elsewhere)."""
+    from rlcourse.categorical_bandit import CategoricalBandit
+    from rlcourse.losses import ipo_loss
+    from rlcourse.preference_optima import labelled_pairs, minimise_expected_loss
+
+    bandit, beta = CategoricalBandit.random(n_prompts=3, n_answers=4, reward_scale=1.5, seed=11), 0.5
+    d, ref = labelled_pairs(bandit), bandit.ref_logprobs
+    x, a, b, w = d["prompt"], d["chosen"], d["rejected"], d["weight"]
+
+    def expected(loss):
+        return lambda logp: (w * torch.as_tensor(loss(logp[x, a], logp[x, b], ref[x, a], ref[x, b], beta))).sum()
+
+    theirs = minimise_expected_loss(bandit, expected(ipo_loss))["logprobs"]
+    try:
+        mine = minimise_expected_loss(bandit, expected(fn))["logprobs"]
+    except RuntimeError:                   # no graph to differentiate
+        return float("inf"), float("nan")
+    dpo = bandit.optimal_logprobs(beta)
+    return float((mine - theirs).abs().max()), float(bandit.kl(theirs, dpo).mean())
 
 
 @references("rlcourse.categorical_bandit:train_tabular_policy", "rlcourse.categorical_bandit:CategoricalBandit.optimal_logprobs",
