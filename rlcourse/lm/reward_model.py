@@ -129,8 +129,11 @@ def score_pairs(reward_model, encoded: dict, rows: torch.Tensor | None = None) -
 
 def train_reward_model(reward_model, tokenizer, pairs: list[dict], steps: int, batch_size: int = 64,
                        lr: float = 1e-3, margin: float | None = None, eval_pairs: list[dict] | None = None,
-                       seed: int = 0, progress: bool = True) -> dict:
+                       seed: int = 0, progress: bool = True, loss_fn=bradley_terry_loss) -> dict:
     """Fit ``reward_model`` to preference pairs with the Bradley-Terry loss (AdamW, minibatches).
+
+    ``loss_fn(rewards_chosen, rewards_rejected, margin) -> scalar`` is the loss minimised (the
+    Bradley-Terry loss by default; exercise 8.1's check trains with the learner's own).
 
     Returns TRL ``RewardTrainer``'s metrics: ``history`` (per step ``loss``, ``accuracy``,
     ``margin``, ``min_reward``, ``mean_reward``, ``max_reward`` on the minibatch) and, with
@@ -148,7 +151,7 @@ def train_reward_model(reward_model, tokenizer, pairs: list[dict], steps: int, b
     for _ in tqdm(range(steps), desc="reward model", disable=not progress):
         rows = torch.randint(0, n, (min(batch_size, n),), generator=gen).to(device)
         chosen, rejected = score_pairs(reward_model, data, rows)
-        loss = bradley_terry_loss(chosen, rejected, margin)
+        loss = loss_fn(chosen, rejected, margin)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
