@@ -82,7 +82,8 @@ def check_policy_gradient_loss(fn) -> None:
     """``fn(logprobs, mask, advantages) -> scalar``: ``-(1/B) sum_i A_i sum_t m_it log pi(y_it)``.
 
     ``advantages`` may carry a gradient (it came from a differentiable reward or baseline): it is a
-    weight and must be detached.
+    weight and must be detached. Then REINFORCE with the learner's loss (lesson 09's moving-average
+    baseline, 40 steps of 64 prompts from ``addition-partial``) must raise held-out exact match by 5 points.
     """
     __tracebackhide__ = True
     name = "check_policy_gradient_loss"
@@ -129,7 +130,46 @@ def check_policy_gradient_loss(fn) -> None:
             fail(name, case, "no gradient into the advantages", "advantages received a gradient",
                  "detach the advantage (advantages.detach()): it is a weight, not something to optimise")
         assert_close(name, case + " (gradient)", -adv0[:, None] * m / logp0.shape[0], logp.grad, hint=hint, atol=1e-6)
-    passed(name, len(cases))
+    before, after = _reinforce_trained_with(fn)
+    if not after >= before + 0.05:
+        fail(name, "40 REINFORCE steps with your loss (64 prompts, one completion each, a moving-average baseline)",
+             f"held-out exact match at least {before + 0.05:.3f} (from {before:.3f})", f"{after:.3f}",
+             "the values and gradients agreed on the test batches: the loss must fall as the log-probs of "
+             "completions with positive advantages rise")
+    print(f"✔ {name}: all {len(cases)} cases passed; 40 REINFORCE steps with your loss (moving-average baseline) "
+          f"took held-out exact match from {before:.1%} to {after:.1%}")
+
+
+def _reinforce_trained_with(fn, steps: int = 40, prompts_per_step: int = 64, lr: float = 1e-4,
+                            held_out: int = 300) -> tuple[float, float]:
+    """REINFORCE as lesson 09 runs it (one completion per prompt, the moving-average baseline of
+    :func:`rlcourse.lm.policy_gradient.advantages`) with ``fn(logprobs, mask, advantages)`` as the loss, from
+    ``addition-partial`` with Adam: held-out exact match before and after."""
+    import copy
+
+    import numpy as np
+
+    from rlcourse.grading._steps import addition_start
+    from rlcourse.lm import exact_match, sample, sequence_logprobs
+    from rlcourse.lm.policy_gradient import PolicyGradientConfig, advantages
+
+    task, start, tokenizer = addition_start()
+    config = PolicyGradientConfig(advantage_estimator="moving_average", num_generations=1,
+                                  per_device_train_batch_size=prompts_per_step)
+    model = copy.deepcopy(start)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    gen, rng, baseline = torch.Generator().manual_seed(0), np.random.default_rng(0), None
+    for _ in range(steps):
+        prompts = list(task.prompts(prompts_per_step, rng))
+        roll = sample(model, tokenizer, prompts, task.max_new_tokens, generator=gen)
+        adv, baseline = advantages(config, task.reward(prompts, roll.completions).float(), baseline)
+        logp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, roll.completion_mask, roll.prompt_mask)
+        loss = fn(logp, roll.completion_mask, adv)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    prompts = task.test_prompts(held_out)
+    return exact_match(start, tokenizer, task, prompts), exact_match(model, tokenizer, task, prompts)
 
 
 @references("rlcourse.lm.exact_oracle:gradient_estimates")
