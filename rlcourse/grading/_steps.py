@@ -13,7 +13,8 @@ import torch
 
 from rlcourse.grading._core import fail
 
-__all__ = ["addition_start", "RecordingSGD", "twin_runs", "assert_same_gradient", "assert_call_gradient", "relative_gap",
+__all__ = ["addition_start", "train_from_addition", "RecordingSGD", "twin_runs", "assert_same_gradient",
+           "assert_call_gradient", "relative_gap",
            "check_sampling_step"]
 
 
@@ -123,6 +124,27 @@ def assert_call_gradient(check: str, case: str, call: int, mine: RecordingSGD, t
     assert_same_gradient(check, case, expected, received, otherwise, longer=longer, close=close)
 
 
+def train_from_addition(step, steps: int, lr: float, prompts_per_step: int, held_out: int) -> tuple[float, float, list]:
+    """Train a copy of ``addition-partial`` with ``steps`` calls of ``step(model, optimizer, tokenizer, task, prompts,
+    generator)`` (Adam at ``lr``; each call gets ``prompts_per_step`` fresh prompts; prompts and generator seeded
+    with 0), the training run every check that trains shares. Returns greedy exact match on ``held_out`` test
+    prompts before and after, and what each call returned."""
+    import copy
+
+    import numpy as np
+
+    from rlcourse.lm import exact_match
+
+    task, start, tokenizer = addition_start()
+    prompts = task.test_prompts(held_out)
+    before = exact_match(start, tokenizer, task, prompts)
+    model = copy.deepcopy(start)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
+    returned = [step(model, optimizer, tokenizer, task, task.prompts(prompts_per_step, rng), gen) for _ in range(steps)]
+    return before, exact_match(model, tokenizer, task, prompts), returned
+
+
 def check_sampling_step(name: str, fn, reference, settings: list, learning: dict, otherwise: str,
                         call_prompts: int = 6, call_completions: int = 4, close: str | None = None) -> None:
     """The two measurements of a sampling policy-gradient step (lessons 09, 10 and 10c) on ``addition-partial``.
@@ -136,11 +158,7 @@ def check_sampling_step(name: str, fn, reference, settings: list, learning: dict
     must raise greedy exact match on ``held_out`` prompts by ``margin``.
     """
     __tracebackhide__ = True
-    import copy
-
     import numpy as np
-
-    from rlcourse.lm import exact_match
 
     task, start, tokenizer = addition_start()
     K = call_completions
@@ -159,14 +177,11 @@ def check_sampling_step(name: str, fn, reference, settings: list, learning: dict
                      "return the mean of their rewards")
             assert_call_gradient(name, label, call, opt_mine, opt_theirs, otherwise, close=close)
     s = learning
-    held_out = task.test_prompts(s["held_out"])
-    before = exact_match(start, tokenizer, task, held_out)
-    model = copy.deepcopy(start)
-    optimizer = torch.optim.Adam(model.parameters(), lr=s["lr"])
-    gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
-    rewards = [float(fn(model, optimizer, tokenizer, task, task.prompts(s["groups"], rng), gen, s["num_generations"],
-                        *s["extra"])) for _ in range(s["steps"])]
-    after = exact_match(model, tokenizer, task, held_out)
+
+    def step(model, optimizer, tokenizer, task, prompts, generator):
+        return float(fn(model, optimizer, tokenizer, task, prompts, generator, s["num_generations"], *s["extra"]))
+
+    before, after, rewards = train_from_addition(step, s["steps"], s["lr"], s["groups"], s["held_out"])
     if not after >= before + s["margin"]:
         fail(name, f"{s['steps']} steps of your step (Adam, lr {s['lr']}, {s['groups']} prompts x {s['num_generations']})",
              f"held-out exact match at least {before + s['margin']:.3f} (from {before:.3f})", f"{after:.3f}",

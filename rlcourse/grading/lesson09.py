@@ -145,31 +145,27 @@ def _reinforce_trained_with(fn, steps: int = 40, prompts_per_step: int = 64, lr:
     """REINFORCE as lesson 09 runs it (one completion per prompt, the moving-average baseline of
     :func:`rlcourse.lm.policy_gradient.advantages`) with ``fn(logprobs, mask, advantages)`` as the loss, from
     ``addition-partial`` with Adam: held-out exact match before and after."""
-    import copy
-
-    import numpy as np
-
-    from rlcourse.grading._steps import addition_start
-    from rlcourse.lm import exact_match, sample, sequence_logprobs
+    from rlcourse.grading._steps import train_from_addition
+    from rlcourse.lm import sample, sequence_logprobs
     from rlcourse.lm.policy_gradient import PolicyGradientConfig, advantages
 
-    task, start, tokenizer = addition_start()
     config = PolicyGradientConfig(advantage_estimator="moving_average", num_generations=1,
                                   per_device_train_batch_size=prompts_per_step)
-    model = copy.deepcopy(start)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    gen, rng, baseline = torch.Generator().manual_seed(0), np.random.default_rng(0), None
-    for _ in range(steps):
-        prompts = list(task.prompts(prompts_per_step, rng))
-        roll = sample(model, tokenizer, prompts, task.max_new_tokens, generator=gen)
+    baseline = None                          # the moving average, carried from step to step
+
+    def step(model, optimizer, tokenizer, task, prompts, generator):
+        nonlocal baseline
+        prompts = list(prompts)
+        roll = sample(model, tokenizer, prompts, task.max_new_tokens, generator=generator)
         adv, baseline = advantages(config, task.reward(prompts, roll.completions).float(), baseline)
         logp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, roll.completion_mask, roll.prompt_mask)
         loss = fn(logp, roll.completion_mask, adv)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    prompts = task.test_prompts(held_out)
-    return exact_match(start, tokenizer, task, prompts), exact_match(model, tokenizer, task, prompts)
+
+    before, after, _ = train_from_addition(step, steps, lr, prompts_per_step, held_out)
+    return before, after
 
 
 @references("rlcourse.lm.exact_oracle:gradient_estimates")

@@ -201,8 +201,9 @@ GSPO_LEARNING = {"steps": 30, "margin": 0.05}
 
 def _gspo_per_sequence(ratio, advantages):
     """GSPO's clipped loss of each completion, ``(B, 1)``, at the GSPO paper's range [1 - 3e-4, 1 + 4e-4]."""
-    a = advantages.detach()[:, None]
-    return -torch.minimum(ratio * a, ratio.clamp(1 - 3e-4, 1 + 4e-4) * a)
+    from rlcourse.losses import ppo_clip_objective
+
+    return -ppo_clip_objective(ratio, advantages.detach()[:, None], 3e-4, 4e-4)
 
 
 def _train_with(fn_loss, loss_type: str, steps: int, num_iterations: int = 2, lr: float = 1e-4, groups: int = 8,
@@ -210,22 +211,14 @@ def _train_with(fn_loss, loss_type: str, steps: int, num_iterations: int = 2, lr
     """Held-out exact match of ``addition-partial`` before and after ``steps`` of the course's GRPO update with
     ``fn_loss(logprobs, old_logprobs, advantages, mask)`` as the per-token (or per-completion) loss, aggregated
     as ``loss_type`` says (Adam, ``groups`` prompts x ``num_generations``, ``num_iterations`` steps per batch)."""
-    import copy
+    from rlcourse.grading._steps import train_from_addition
 
-    import numpy as np
+    def step(model, optimizer, tokenizer, task, prompts, generator):
+        return _reference_update(model, optimizer, tokenizer, task, prompts, generator, num_generations, loss_type,
+                                 num_iterations=num_iterations, per_token_fn=fn_loss)
 
-    from rlcourse.grading._steps import addition_start
-    from rlcourse.lm import exact_match
-
-    task, start, tokenizer = addition_start()
-    prompts = task.test_prompts(held_out)
-    model = copy.deepcopy(start)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
-    for _ in range(steps):
-        _reference_update(model, optimizer, tokenizer, task, task.prompts(groups, rng), gen, num_generations,
-                          loss_type, num_iterations=num_iterations, per_token_fn=fn_loss)
-    return exact_match(start, tokenizer, task, prompts), exact_match(model, tokenizer, task, prompts)
+    before, after, _ = train_from_addition(step, steps, lr, groups, held_out)
+    return before, after
 
 
 def check_length_bias_experiment(fn) -> None:
