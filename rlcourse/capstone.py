@@ -205,6 +205,21 @@ def _checked(algorithm: str, cfg: CapstoneConfig | None) -> CapstoneConfig:
     return cfg
 
 
+def _marks(cfg: CapstoneConfig) -> list[int]:
+    """The sample counts after which a run evaluates: ``eval_points`` of them, evenly spaced, the last the budget."""
+    return [round(cfg.budget * (k + 1) / cfg.eval_points) for k in range(cfg.eval_points)]
+
+
+def _pop_passed(marks: list[int], samples: int) -> int:
+    """Remove from ``marks`` every mark ``samples`` has reached; return how many (a step that draws several
+    batches, DAPO's, or a budget of few batches per mark, passes more than one)."""
+    passed = 0
+    while marks and samples >= marks[0]:
+        marks.pop(0)
+        passed += 1
+    return passed
+
+
 def _start_row(model, ref, tokenizer, task, cfg, seed, start):
     """The curve's first row: the checkpoint's evaluation for ``seed`` (``start`` when already made)."""
     return {"samples": 0, "seconds": 0.0,
@@ -225,9 +240,11 @@ def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=Non
     ``curve`` rows: ``samples`` drawn so far, ``seconds`` of training so far (evaluation excluded),
     ``validity``, ``kl``, ``distinct`` (different valid answers per target), ``distinct_among_valid``,
     ``pass@k`` and ``samples_per_target``; the first and last rows are evaluated with
-    ``cfg.final_samples_per_target``. Also ``models_held``, ``parameters`` (of one model),
-    ``completions_per_second`` and, on CUDA, ``peak_memory_mb``. ``start``: the checkpoint's
-    evaluation for this seed (:func:`evaluate_start`) when it is already made.
+    ``cfg.final_samples_per_target``. One row per evaluation mark after the start (``eval_points``
+    of them): a step that passes several marks is evaluated once, and that row fills each. Also
+    ``models_held``, ``parameters`` (of one model), ``completions_per_second`` and, on CUDA,
+    ``peak_memory_mb``. ``start``: the checkpoint's evaluation for this seed (:func:`evaluate_start`) when it
+    is already made.
     """
     cfg = _checked(algorithm, cfg)
     seed_everything(seed)
@@ -238,7 +255,7 @@ def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=Non
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     curve = [_start_row(model, ref, tokenizer, task, cfg, seed, start)]
-    marks = [round(cfg.budget * (k + 1) / cfg.eval_points) for k in range(cfg.eval_points)]
+    marks = _marks(cfg)
     samples, seconds = 0, 0.0
     if algorithm == "DPO":  # offline: the whole budget is sampled first, then trained on
         tic = time.perf_counter()
@@ -256,10 +273,11 @@ def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=Non
             tic = time.perf_counter()
             samples += step()            # completions sampled by this step
             seconds += time.perf_counter() - tic
-            if marks and samples >= marks[0]:
-                marks.pop(0)
-                curve.append({"samples": samples, "seconds": seconds,
-                              **_evaluate(model, ref, tokenizer, task, cfg, seed, final=not marks)})
+            passed = _pop_passed(marks, samples)
+            if passed:                   # the last mark is the budget: the loop's last step evaluates finally
+                row = {"samples": samples, "seconds": seconds,
+                       **_evaluate(model, ref, tokenizer, task, cfg, seed, final=not marks)}
+                curve += [dict(row) for _ in range(passed)]
     out = _result(algorithm, seed, curve, model, samples / max(seconds, 1e-9))
     if dev.type == "cuda":
         out["peak_memory_mb"] = torch.cuda.max_memory_allocated(dev) / 2**20
@@ -300,18 +318,19 @@ def run_seeds(algorithm: str, seeds, cfg: CapstoneConfig | None = None, device=N
         trainer = SeedBatchedPolicyGradientTrainer(model, tokenizer, task, _pg_config(algorithm, cfg, seeds[0]),
                                                    seeds=seeds)
     curves = [[_start_row(model, ref, tokenizer, task, cfg, s, starts.get(s))] for s in seeds]
-    marks = [round(cfg.budget * (k + 1) / cfg.eval_points) for k in range(cfg.eval_points)]
+    marks = _marks(cfg)
     samples, seconds = 0, 0.0
     while samples < cfg.budget:
         start = time.perf_counter()
         trainer.step()
         samples += cfg.batch             # completions each seed drew in this step
         seconds += time.perf_counter() - start
-        if marks and samples >= marks[0]:
-            marks.pop(0)
+        passed = _pop_passed(marks, samples)
+        if passed:
             for i, s in enumerate(seeds):
-                curves[i].append({"samples": samples, "seconds": seconds / len(seeds),
-                                  **_evaluate(trainer.model_of(i), ref, tokenizer, task, cfg, s, final=not marks)})
+                row = {"samples": samples, "seconds": seconds / len(seeds),
+                       **_evaluate(trainer.model_of(i), ref, tokenizer, task, cfg, s, final=not marks)}
+                curves[i] += [dict(row) for _ in range(passed)]
     return [_result(algorithm, s, curve, model, samples * len(seeds) / max(seconds, 1e-9), seeds_batched=len(seeds))
             for s, curve in zip(seeds, curves)]
 
@@ -386,8 +405,9 @@ def start_results(results: list[dict], name: str = "SFT") -> list[dict]:
 def curve_band(results: list[dict], algorithm: str, x: str = "samples", y: str = "validity"):
     """One algorithm's learning curve over seeds: ``x`` (mean over seeds), ``y``'s mean and 95% half-width.
 
-    Every seed of an algorithm evaluates at the same sample counts; their wall-clock ``seconds``
-    differ a little, so the x of a point is their mean.
+    Row ``k`` of every seed's curve is its ``k``-th evaluation mark (the same marks for every seed; DAPO's
+    seeds pass them at slightly different sample counts, and wall-clock ``seconds`` differ a little), so the
+    x of a point is the mean over seeds.
     """
     runs = [r for r in results if r["algorithm"] == algorithm]
     if len(runs) < 2:

@@ -148,8 +148,10 @@ def simpo_optimum(utility, lengths, beta: float) -> torch.Tensor:
     per_token = u / beta
     total = lambda c: torch.logsumexp(L * (per_token + c[:, None]), dim=-1)   # noqa: E731  log sum_y pi(y)
     lo = -(per_token.max(-1).values + 1.0)          # every term <= e^{-|y|}; lowered until their sum is below 1
-    while bool((total(lo) > 0).any()):
-        lo = torch.where(total(lo) > 0, lo * 2 - 1, lo)
+    step = 1.0
+    while bool((total(lo) > 0).any()):              # lo may start above 0 (every u < -beta): step down, not lo * 2
+        lo = torch.where(total(lo) > 0, lo - step, lo)
+        step *= 2
     hi = -per_token.min(-1).values + 1.0            # the largest-term answer alone exceeds 1
     for _ in range(200):
         mid = (lo + hi) / 2

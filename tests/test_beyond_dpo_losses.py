@@ -93,6 +93,46 @@ def test_orpo_loss_is_beta_times_the_odds_ratio_log_loss():
     torch.testing.assert_close(orpo_loss(w, l, 0.25), expected)
 
 
+def _orpo_closed_form(w: float, l: float, beta: float) -> tuple[float, float, float]:
+    """ORPO's term in float64 without log-odds: ``beta log(1 + odds(y_l) / odds(y_w))``, ``1 / odds(y) = e^-x - 1``,
+    so the loss is ``beta (log(u + v) - log v)`` with ``u = expm1(-w)``, ``v = expm1(-l)``; and its two derivatives."""
+    u, v = math.expm1(-w), math.expm1(-l)
+    return (beta * math.log1p(u / v), -beta * math.exp(-w) / (u + v),
+            beta * math.exp(-l) * (1 / v - 1 / (u + v)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("w", [0.0, -1e-40, -1e-12, -3e-8, -1e-4, -0.5, -0.75, -4.0])
+@pytest.mark.parametrize("l", [-0.05, -1.0, -6.0])
+def test_orpo_loss_and_gradient_match_the_closed_form_up_to_a_certain_chosen_answer(dtype, w, l):
+    """A chosen answer the policy is certain of (average log-prob exactly 0: float32's log-softmax returns 0.0
+    once the token leads by ~20 nats) has infinite odds; the loss is 0 and its gradient -beta odds(y_l), finite.
+    Value and gradient against the closed form at the same (rounded) inputs."""
+    beta = 0.5
+    wt = torch.tensor([w], dtype=dtype, requires_grad=True)
+    lt = torch.tensor([l], dtype=dtype, requires_grad=True)
+    loss = orpo_loss(wt, lt, beta)
+    loss.sum().backward()
+    value, dw, dl = _orpo_closed_form(float(wt.detach()), float(lt.detach()), beta)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-10
+    assert float(loss.detach()) == pytest.approx(value, rel=rtol, abs=1e-30)
+    assert float(wt.grad) == pytest.approx(dw, rel=rtol, abs=1e-30)
+    assert float(lt.grad) == pytest.approx(dl, rel=rtol, abs=1e-12)
+
+
+def test_orpo_objective_on_a_certain_chosen_answer_keeps_the_weights_finite():
+    """Every chosen token at log-prob 0.0 (float32): the objective's gradient reaches the token log-probs finite,
+    so a clipped optimiser step cannot turn the weights into NaN."""
+    chosen = torch.zeros(2, 3, requires_grad=True)
+    rejected = torch.tensor([[-0.5, -2.0, 0.0], [-1.0, -0.1, -3.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    loss = preference_objective(chosen, rejected, mask, mask, torch.zeros(2), torch.zeros(2), beta=0.3,
+                                loss_type="orpo")
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(chosen.grad).all() and torch.isfinite(rejected.grad).all()
+    assert float(chosen.grad.abs().sum()) > 0
+
+
 # --- KTO --------------------------------------------------------------------------------------------
 
 def test_kto_by_hand():
@@ -261,6 +301,28 @@ def test_simpo_optimum_for_equal_lengths_is_a_softmax_of_the_reward(bandit):
     uniform = torch.full_like(bandit.ref_logprobs, -math.log(5))
     torch.testing.assert_close(simpo_optimum(bandit.reward, torch.ones(5), 0.7),
                                kl_regularised_optimum(uniform, bandit.reward, 0.7), atol=1e-10, rtol=0)
+
+
+def test_simpo_optimum_when_every_utility_is_below_minus_beta():
+    """Utilities all below -beta put the bracket's first lower end above 0; it must still be lowered (old code
+    doubled a positive end upwards forever). An alarm turns a hang into a failure within seconds."""
+    import signal
+
+    def hung(signum, frame):
+        raise TimeoutError("simpo_optimum did not return within 20 s")
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        # five answers a little below -beta: at c = -(max u / beta + 1) their terms still sum above 1
+        utility = torch.tensor([[-3.0, -3.2, -3.1, -2.9, -3.0], [-40.0, -41.0, -39.5, -40.2, -40.0]], dtype=torch.float64)
+        lengths = torch.tensor([1.0, 1.0, 1.0, 2.0, 1.0], dtype=torch.float64)
+        logp = simpo_optimum(utility, lengths, 1.0)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    torch.testing.assert_close(logp.exp().sum(-1), torch.ones(2, dtype=torch.float64))
+    ratio = logp / lengths - utility                # log pi / |y| - u / beta: one constant per prompt
+    assert float((ratio - ratio[:, :1]).abs().max()) < 1e-9
 
 
 def test_objective_lost_is_beta_times_the_kl_to_the_optimum(bandit):

@@ -180,3 +180,51 @@ def test_missing_eos_penalty_and_a_reward_model(checkpoint):
 def test_online_config_refuses_bad_settings(bad, match):
     with pytest.raises(ValueError, match=match):
         OnlineDPOConfig(**bad)
+
+
+def test_online_learning_rate_stops_at_zero_past_max_steps(checkpoint):
+    """TRL's linear schedule stops at 0: a second train() (steps past max_steps) must not run at a negative rate,
+    which would be gradient ascent on the loss."""
+    model, tok = checkpoint
+    task = PreferenceTask()
+    args = OnlineDPOConfig(beta=0.5, learning_rate=1e-3, per_device_train_batch_size=6, max_steps=2)
+    trainer = OnlineDPOTrainer(copy.deepcopy(model), tok, task.reward, task.prompts, args)
+    trainer.train(progress=False)
+    after = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train(progress=False)                    # steps 3 and 4 of a 2-step schedule
+    assert [row["learning_rate"] for row in trainer.history[0]] == pytest.approx([1e-3, 5e-4, 0.0, 0.0])
+    assert all(torch.equal(a, p) for a, p in zip(after, trainer.model.parameters()))
+
+
+def test_online_reference_free_losses_log_no_kl(checkpoint):
+    """SimPO and ORPO keep no reference: there is no KL to log (the policy's mean log-prob is not one)."""
+    model, tok = checkpoint
+    for kind in ("simpo", "orpo"):
+        trainer = _online(copy.deepcopy(model), tok, PreferenceTask().reward, loss_type=kind)
+        rows = trainer.train(progress=True)[0]
+        assert all("objective/kl" not in row for row in rows) and all("loss" in row for row in rows)
+    row = _online(copy.deepcopy(model), tok, PreferenceTask().reward).step()[0]
+    assert row["objective/kl"] == pytest.approx(0.0, abs=1e-6)     # the first step: the policy is its reference
+
+
+def test_online_ipo_is_trls_on_whole_sequence_log_ratios(checkpoint):
+    """TRL's OnlineDPOTrainer's IPO: (h - 1 / (2 beta))^2 on whole-sequence log-ratios, not per token as offline."""
+    from rlcourse.lm import sample, sequence_logprobs
+    from rlcourse.losses import ipo_loss
+
+    model, tok = checkpoint
+    task = PreferenceTask()
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    args = OnlineDPOConfig(beta=0.5, learning_rate=1e-3, per_device_train_batch_size=6, max_steps=3, loss_type="ipo")
+    metrics = OnlineDPOTrainer(copy.deepcopy(model), tok, task.reward, task.prompts, args, ref_model=ref).step()[0]
+    prompts = [p for p in task.prompts(6, 42 * 100_003) for _ in range(2)]
+    roll = sample(model, tok, prompts, task.max_new_tokens, generator=torch.Generator().manual_seed(42))
+    chosen, rejected = online_dpo_pairs(task.reward(roll.prompts, roll.completions), torch.arange(6).repeat_interleave(2))
+    with torch.no_grad():
+        logp, ref_logp = (sequence_logprobs(m, roll.prompt_ids, roll.completion_ids, roll.completion_mask,
+                                            roll.prompt_mask).sum(-1) for m in (model, ref))
+    expected = ipo_loss(logp[chosen], logp[rejected], ref_logp[chosen], ref_logp[rejected], 0.5).mean()
+    assert metrics["pairs"] == len(chosen) > 0 and metrics["loss"] == pytest.approx(float(expected), rel=1e-6)

@@ -55,6 +55,23 @@ def test_run_returns_a_well_formed_curve_and_compare_helpers_read_it():
     assert [p["validity"] for p in shared["curve"]] == [p["validity"] for p in results[1]["curve"]]
 
 
+def test_a_step_that_passes_two_marks_consumes_both():
+    """budget 128 in 4 marks (32, 64, 96, 128) and 64 completions per step: each step passes two marks. Every
+    mark gets its row (one evaluation per step, shared by the marks it passed), and the last row is the final
+    evaluation, with final_samples_per_target; alone and seed-batched."""
+    from rlcourse.capstone import run_seeds
+
+    cfg = CapstoneConfig(budget=128, eval_points=4, eval_samples_per_target=4, final_samples_per_target=8,
+                         pass_k=(1, 4, 8))
+    alone = run("RLOO", 0, cfg)["curve"]
+    together = run_seeds("RLOO", [0, 1], cfg)
+    for curve in (alone, *(r["curve"] for r in together)):
+        assert [p["samples"] for p in curve] == [0, 64, 64, 128, 128]
+        assert [p["samples_per_target"] for p in curve] == [8, 4, 4, 8, 8]
+        assert curve[1] == curve[2] and curve[3] == curve[4] and "pass@8" in curve[-1]
+    assert [p["validity"] for p in together[0]["curve"]] == pytest.approx([p["validity"] for p in alone], abs=0.02)
+
+
 def test_bad_algorithm_or_budget_raises_naming_the_argument():
     with pytest.raises(ValueError, match="algorithm"):
         run("TRPO", 0, CapstoneConfig(budget=64))

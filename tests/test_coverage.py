@@ -43,6 +43,19 @@ def test_pass_at_k_rejects_bad_counts(n, c, k):
         pass_at_k(n, c, k)
 
 
+def test_pass_at_k_takes_numpy_integers():
+    """Counts often come from NumPy (``(samples == answer).sum()``, an ``np.int64``): they are integers too."""
+    import numpy as np
+
+    right = np.array([True, False, True, True]).sum()
+    for kind in (np.int64, np.int32, np.uint8):
+        assert pass_at_k(kind(16), kind(right), kind(4)) == pass_at_k(16, 3, 4)
+    with pytest.raises(ValueError, match="c must be an integer"):
+        pass_at_k(16, np.bool_(True), 4)
+    with pytest.raises(ValueError, match="k must be an integer"):
+        pass_at_k(16, 3, np.float64(4.0))
+
+
 def test_coverage_by_hand():
     prompts = ["a"] * 4 + ["b"] * 4
     completions = ["x", "x", "y", "z", "u", "v", "w", "u"]

@@ -162,3 +162,36 @@ def test_reward_and_kl_agrees_with_the_plain_log_ratio_estimate(checkpoint):
     stderr = float(k1.std()) / len(prompts) ** 0.5
     assert kl > 0.05
     assert abs(kl - float(k1.mean())) < 4 * stderr + 1e-3
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "orpo", "kto", ["sigmoid", "sft"]])
+def test_junk_on_padding_changes_nothing(checkpoint, monkeypatch, loss_type):
+    """Token log-probs off the completion mask may hold anything (NaN, inf): train_dpo and batch_loss select them
+    away, so a forward whose padding holds junk trains exactly as one whose padding holds 0."""
+    import rlcourse.lm.dpo as dpo_module
+    from rlcourse.lm.dpo import batch_loss
+
+    model, tok = checkpoint
+    pairs = PreferenceTask().preference_pairs(12, rng=5)
+    args = DPOConfig(loss_type=loss_type, per_device_train_batch_size=4, max_steps=3)
+    clean = train_dpo(copy.deepcopy(model), tok, pairs, args, progress=False)
+    real = dpo_module.pair_token_logprobs
+
+    def junk_on_padding(m, batch):
+        junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 7.0]).repeat(batch["completion_mask"].numel())
+        pads = ~batch["completion_mask"].bool()
+        return tuple(torch.where(p, junk[:p.numel()].view(p.shape), t) for t, p in zip(real(m, batch), pads.chunk(2)))
+    monkeypatch.setattr(dpo_module, "pair_token_logprobs", junk_on_padding)
+    junk = train_dpo(copy.deepcopy(model), tok, pairs, args, progress=False)
+    for key in ("loss", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert junk[key] == pytest.approx(clean[key], rel=1e-6), key
+    # batch_loss on its own: per-token log-probs with NaN on padding give the loss of zeros there
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    tokens = -torch.rand(4, 3, dtype=torch.float64)
+    junked = torch.where(mask.bool(), tokens, float("nan"))
+    zeros = torch.where(mask.bool(), tokens, 0.0)
+    ref = -torch.rand(2, dtype=torch.float64)
+    a = batch_loss(args, *junked.chunk(2), mask, ref, ref - 0.5)
+    b = batch_loss(args, *zeros.chunk(2), mask, ref, ref - 0.5)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)

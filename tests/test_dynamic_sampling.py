@@ -152,6 +152,35 @@ def test_kl_in_reward_reference_and_truncation_masks_on_a_refilled_batch(checkpo
     assert metrics["num_gen_batches"] >= 1 and torch.isfinite(torch.tensor(metrics["loss"]))
 
 
+def _ragged_lengths(monkeypatch):
+    """The sampler with completion lengths 1, 2, 3, 1, 2, 3, ... row by row: every group holds different lengths."""
+    import rlcourse.lm.policy_gradient as pg
+    real = pg.sample
+
+    def ragged(*args, **kwargs):
+        roll = real(*args, **kwargs)
+        lengths = torch.arange(roll.completion_mask.shape[0]) % 3 + 1
+        roll.completion_mask = (torch.arange(roll.completion_mask.shape[1])[None] < lengths[:, None]).long()
+        return roll
+    monkeypatch.setattr(pg, "sample", ragged)
+
+
+def test_dynamic_sampling_filters_on_the_task_reward_not_the_overlong_shaped_one(checkpoint, monkeypatch):
+    """With DAPO's overlong penalty on, a group of equal task rewards but different lengths has unequal shaped
+    rewards; it still has nothing to learn about the task and is dropped (verl's DAPO filters on accuracy).
+    The kept groups train on the shaped rewards."""
+    _ragged_lengths(monkeypatch)
+    shaping = dict(max_completion_length=3, overlong_buffer_len=3)       # every token costs 1/3
+    task = CountingTask(lambda j: False)                                 # no group differs in task reward
+    metrics = _trainer(checkpoint, task, max_num_gen_batches=2, **shaping).step()
+    assert metrics.get("skipped") == 1.0 and metrics["num_gen_batches"] == 2
+    task = CountingTask(lambda j: j % 2 == 0)
+    b = _trainer(checkpoint, task, max_num_gen_batches=2, **shaping).make_batch()
+    assert _kept_groups(checkpoint[1], b) == [0, 2, 4, 6]
+    lengths = b.loss_mask.sum(1).float()
+    torch.testing.assert_close(b.rewards, torch.tensor([0.0, 1.0, 0.0, 1.0] * 4) - lengths / 3)
+
+
 @pytest.mark.parametrize("bad", [0, -1, None, 2.5, True, "4"])
 def test_bad_max_num_gen_batches_is_refused(bad):
     with pytest.raises(ValueError, match="max_num_gen_batches"):

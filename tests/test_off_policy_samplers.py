@@ -197,6 +197,23 @@ def test_off_policy_settings_are_checked():
         PolicyGradientConfig(off_policy_mask_threshold=-0.5)
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate"])
+def test_settings_trls_grpo_config_refuses_are_refused(mode):
+    """TRL 1.16's GRPOConfig refuses a *_truncate mode with no bound and clip_min >= clip_max: so do we."""
+    with pytest.raises(ValueError, match=f"vllm_importance_sampling_mode='{mode}' truncates the ratio: set "
+                                         "vllm_importance_sampling_clip_max"):
+        PolicyGradientConfig(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+                             vllm_importance_sampling_clip_max=None)
+    PolicyGradientConfig(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=None)   # correction off
+    PolicyGradientConfig(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+                         vllm_importance_sampling_clip_max=None, vllm_importance_sampling_clip_min=0.5)   # one bound
+    for correction in (True, False):
+        with pytest.raises(ValueError, match=r"vllm_importance_sampling_clip_min \(2.0\) must be below "
+                                             r"vllm_importance_sampling_clip_max \(2.0\)"):
+            PolicyGradientConfig(vllm_importance_sampling_correction=correction, vllm_importance_sampling_mode=mode,
+                                 vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=2.0)
+
+
 def test_a_batched_seed_with_a_sampler_follows_its_single_seed_run(checkpoint):
     model, tok = checkpoint
     settings = dict(learning_rate=3e-4, vllm_importance_sampling_correction=True,

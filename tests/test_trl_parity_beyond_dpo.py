@@ -15,7 +15,7 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.lm import load_checkpoint, save_checkpoint
-from rlcourse.losses import (average_logps, chosen_nll_loss, dpo_sigmoid_loss, kto_loss, kto_reference_point,
+from rlcourse.losses import (average_logps, chosen_nll_loss, kto_loss, kto_reference_point,
                              online_dpo_pairs, orpo_loss, simpo_loss)
 
 
@@ -213,16 +213,24 @@ def online_trainer(saved):
     return trainer, scores, tokenizer
 
 
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_online_dpo_pairs_and_loss_equal_trl_online_dpo_trainer(online_trainer, seed):
-    """With two completions per prompt and no ties, our pairs and DPO loss are OnlineDPOTrainer's."""
+def test_online_dpo_pairs_and_loss_equal_trl_online_dpo_trainer(online_trainer, seed, loss_type):
+    """With two completions per prompt and no ties, our pairs and the loss our OnlineDPOTrainer computes
+    (``batch_loss`` with whole-sequence IPO, as the trainer calls it) are OnlineDPOTrainer's, for both of its
+    losses; completions of different lengths, whose padding holds log-probs that must not count."""
+    from rlcourse.lm.dpo import batch_loss
+    from rlcourse.lm.online_dpo import OnlineDPOConfig
+
     trainer, scores, tokenizer = online_trainer
     gen = torch.Generator().manual_seed(seed)
     B, T = 5, 4
     prompt_ids = tokenizer(["ab:", "cd:", "ef:", "gh:", "ba:"], return_tensors="pt")["input_ids"].repeat(2, 1)
     completion_ids = torch.tensor(tokenizer.convert_tokens_to_ids(list("abcdefgh")))[torch.randint(0, 8, (2 * B, T), generator=gen)]
-    completion_ids[:, -1] = tokenizer.eos_token_id
-    completion_mask = torch.ones(2 * B, T, dtype=torch.long)
+    lengths = torch.randint(1, T + 1, (2 * B,), generator=gen)
+    completion_mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    completion_ids[torch.arange(2 * B), lengths - 1] = tokenizer.eos_token_id
+    completion_ids[completion_mask == 0] = tokenizer.pad_token_id
     policy = (-3 * torch.rand(2 * B, T, generator=gen, dtype=torch.float64)).requires_grad_(True)
     reference = -3 * torch.rand(2 * B, T, generator=gen, dtype=torch.float64)
     score = torch.randperm(2 * B, generator=gen).double()       # distinct: no ties
@@ -231,13 +239,19 @@ def test_online_dpo_pairs_and_loss_equal_trl_online_dpo_trainer(online_trainer, 
                                                              completion_mask, None)
     trainer._forward = lambda model, *args, **kwargs: policy if model is not trainer.ref_model else reference
     trainer.args.gradient_accumulation_steps = 1
-    loss = trainer.training_step(trainer.model, {"prompt": ["ab:", "cd:", "ef:", "gh:", "ba:"]})
+    trainer.args.loss_type = loss_type
+    try:
+        loss = trainer.training_step(trainer.model, {"prompt": ["ab:", "cd:", "ef:", "gh:", "ba:"]})
+    finally:
+        trainer.args.loss_type = "sigmoid"
     trl_grad = policy.grad.clone()
 
     chosen, rejected = online_dpo_pairs(score, torch.arange(B).repeat(2))
+    both = torch.cat([chosen, rejected])
     leaf = policy.detach().clone().requires_grad_(True)
-    seq, ref_seq = leaf.sum(-1), reference.sum(-1)
-    ours = dpo_sigmoid_loss(seq[chosen], seq[rejected], ref_seq[chosen], ref_seq[rejected], 0.1).mean()
+    ref_seq = (reference * completion_mask).sum(-1)
+    ours, _, _ = batch_loss(OnlineDPOConfig(beta=0.1, loss_type=loss_type), leaf[chosen], leaf[rejected],
+                            completion_mask[both], ref_seq[chosen], ref_seq[rejected], ipo_per_token=False)
     ours.backward()
     torch.testing.assert_close(ours.detach(), loss.to(ours.dtype), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(leaf.grad, trl_grad, atol=1e-6, rtol=1e-6)

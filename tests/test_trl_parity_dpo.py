@@ -116,6 +116,22 @@ def test_loss_gradient_and_rewards_equal_trl(trl_trainer, loss_type, loss_weight
         assert our_metrics[name] == pytest.approx(trl_metrics[name], abs=1e-6), name
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_train_dpos_batch_loss_keeps_trls_per_token_ipo(trl_trainer, seed):
+    """Offline DPO's IPO, through the trainer's own batch_loss, is TRL's DPOTrainer's: log-ratios averaged per
+    token (online DPO's is not: see tests/test_trl_parity_beyond_dpo.py)."""
+    from rlcourse.lm.dpo import DPOConfig, batch_loss
+
+    token_logps, completion_mask, ref = _fixed_batch(seed)
+    trl_loss, trl_grad, _ = _run_trl(trl_trainer, token_logps, completion_mask, ref, 0.3, ["ipo"], None, 0.0)
+    leaf = token_logps.detach().clone().requires_grad_(True)
+    loss, _, _ = batch_loss(DPOConfig(loss_type="ipo", beta=0.3), *leaf.chunk(2), completion_mask[:, 1:], *ref.chunk(2))
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), trl_loss.to(loss.dtype), atol=1e-6, rtol=1e-6)
+    real = completion_mask[:, 1:].bool()   # TRL sums every column (its padding holds 0); ours selects the real ones
+    torch.testing.assert_close(leaf.grad[real], trl_grad[real], atol=1e-6, rtol=1e-6)
+
+
 def test_the_gradient_is_not_trivially_zero(trl_trainer):
     """Guard against a vacuous comparison: the fixed batch gives TRL a real, non-zero gradient."""
     token_logps, completion_mask, ref = _fixed_batch(0)

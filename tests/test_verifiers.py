@@ -149,6 +149,20 @@ def test_rewarded_task_is_the_task_with_the_combined_reward():
     assert "format_reward" in repr(rewarded)
 
 
+def test_two_reward_functions_of_one_name_are_refused():
+    """last_rewards keeps each function's rewards by name: a second function of the same name would overwrite the
+    first's (two coins, two lambdas). Refused, naming the name; distinct names are kept apart."""
+    coins = [RandomReward(1.0, seed=0), RandomReward(0.0, seed=1)]
+    with pytest.raises(ValueError, match=r"reward_funcs must have distinct names .*\['random_reward'\]"):
+        RewardedTask(TASK, coins)
+    with pytest.raises(ValueError, match=r"\['<lambda>'\] more than once"):
+        combine_rewards([lambda p, c: [1.0] * len(c), lambda p, c: [0.0] * len(c)], ["1+2="], ["3"])
+    coins[1].__name__ = "never"
+    rewarded = RewardedTask(TASK, coins)
+    rewarded.reward(["1+2="] * 2, ["3", "4"])
+    assert {k: v.tolist() for k, v in rewarded.last_rewards.items()} == {"random_reward": [1.0, 1.0], "never": [0.0, 0.0]}
+
+
 def test_the_trainer_refuses_a_reward_function_that_returns_none():
     rewarded = RewardedTask(TASK, [V.format_reward, _returns(None)])
     with pytest.raises(ValueError, match=r"'reward_with_a_bug' returned None for completion 1 '\.\.46'"):

@@ -16,7 +16,10 @@ many right answers:
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
+
+import numpy as np
 
 __all__ = ["pass_at_k", "coverage"]
 
@@ -27,11 +30,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     The probability that a k-subset drawn uniformly without replacement from the n samples holds at
     least one right one (Chen et al. 2021, arXiv:2107.03374, eq. 1). Its expectation over the n
     samples is ``1 - (1-p)^k`` for a success rate p. Computed with exact integers; ``k = 1`` gives
-    ``c / n`` and ``n - c < k`` gives 1 (every k-subset holds a right sample).
+    ``c / n`` and ``n - c < k`` gives 1 (every k-subset holds a right sample). NumPy integers are
+    integers (a count from ``array.sum()`` is an ``np.int64``); bools are not.
     """
     for name, value in (("n", n), ("c", c), ("k", k)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
             raise ValueError(f"{name} must be an integer, got {value!r}")
+    n, c, k = int(n), int(c), int(k)
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)

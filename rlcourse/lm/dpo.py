@@ -164,24 +164,34 @@ HISTORY_KEYS = ("loss", "learning_rate", "rewards/chosen", "rewards/rejected", "
 
 def lr_factor(args: DPOConfig, step: int, steps: int) -> float:
     """The learning rate of ``step`` (0-based) of ``steps``, as a fraction of ``args.learning_rate``:
-    ``1 - step / steps`` for the ``linear`` schedule (to 0, as TRL's), 1 for ``constant``."""
-    return 1.0 - step / steps if args.lr_scheduler_type == "linear" else 1.0
+    ``max(0, 1 - step / steps)`` for the ``linear`` schedule (to 0 and then held there, as TRL's: a step past
+    ``steps`` must not run at a negative rate, gradient ascent), 1 for ``constant``."""
+    return max(0.0, 1.0 - step / steps) if args.lr_scheduler_type == "linear" else 1.0
+
+
+def _summed_logps(token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sum_t m_t log pi(y_t | x, y_<t)``, shape (B,): padding selected away with ``torch.where`` (it may hold
+    anything, NaN or inf included: the package's mask convention), not multiplied by 0."""
+    return torch.where(mask.bool(), token_logps, 0.0).sum(-1)
 
 
 def batch_loss(args: DPOConfig, chosen_tok: torch.Tensor, rejected_tok: torch.Tensor, completion_mask: torch.Tensor,
                ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, kl_logps: torch.Tensor | None = None,
-               ref_kl_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ref_kl_logps: torch.Tensor | None = None, *,
+               ipo_per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One batch's loss (:func:`rlcourse.losses.beyond_dpo.preference_objective` with ``args``' settings), and the
     chosen and rejected sequence log-probs it used. ``completion_mask`` is the batch's, chosen rows first;
-    ``kl_logps`` and ``ref_kl_logps``: KTO's mismatched pairs under the policy and the reference."""
+    ``kl_logps`` and ``ref_kl_logps``: KTO's mismatched pairs under the policy and the reference;
+    ``ipo_per_token``: IPO's log-ratios averaged per token (TRL's ``DPOTrainer``) or whole (its ``OnlineDPOTrainer``).
+    Token log-probs off the mask are not read (they may hold anything)."""
     chosen_mask, rejected_mask = completion_mask.chunk(2, dim=0)
-    chosen_logps, rejected_logps = chosen_tok.sum(-1), rejected_tok.sum(-1)
+    chosen_logps, rejected_logps = _summed_logps(chosen_tok, chosen_mask), _summed_logps(rejected_tok, rejected_mask)
     loss = preference_objective(chosen_tok, rejected_tok, chosen_mask, rejected_mask, ref_chosen, ref_rejected,
                                 beta=args.beta, loss_type=args.loss_types, loss_weights=args.loss_weights,
                                 label_smoothing=args.label_smoothing, simpo_gamma=args.simpo_gamma,
                                 rdpo_alpha=args.rdpo_alpha, desirable_weight=args.desirable_weight,
                                 undesirable_weight=args.undesirable_weight, kl_logps=kl_logps,
-                                ref_kl_logps=ref_kl_logps)
+                                ref_kl_logps=ref_kl_logps, ipo_per_token=ipo_per_token)
     return loss, chosen_logps, rejected_logps
 
 
@@ -215,9 +225,11 @@ def _reference_logps(ref_model, batch: dict, batch_size: int) -> tuple[torch.Ten
     n = batch["prompt_ids"].shape[0] // 2
     for i in range(0, n, batch_size):
         rows = torch.arange(i, min(i + batch_size, n), device=batch["prompt_ids"].device)
-        c, r = pair_token_logprobs(ref_model, select_pairs(batch, rows))
-        chosen.append(c.sum(-1))
-        rejected.append(r.sum(-1))
+        pair = select_pairs(batch, rows)
+        c, r = pair_token_logprobs(ref_model, pair)
+        chosen_mask, rejected_mask = pair["completion_mask"].chunk(2, dim=0)
+        chosen.append(_summed_logps(c, chosen_mask))
+        rejected.append(_summed_logps(r, rejected_mask))
     return torch.cat(chosen), torch.cat(rejected)
 
 
@@ -278,7 +290,7 @@ def train_dpo(model, tokenizer, pairs: list[dict], args: DPOConfig | None = None
         if kl_data is not None:   # KTO's reference point: mismatched pairs, no gradient (as TRL)
             kl_batch = select_pairs(kl_data, idx)
             with torch.no_grad():
-                kl = torch.cat([t.sum(-1) for t in pair_token_logprobs(model, kl_batch)])
+                kl = _summed_logps(torch.cat(pair_token_logprobs(model, kl_batch)), kl_batch["completion_mask"])
             ref_kl = (torch.cat([kl_table[0][idx], kl_table[1][idx]]) if kl_table is not None
                       else torch.cat(_reference_logps(ref_model, kl_batch, bs)))
         loss, chosen_logps, rejected_logps = batch_loss(args, chosen_tok, rejected_tok, batch["completion_mask"],

@@ -18,8 +18,9 @@ keeps sampling fresh prompts until the batch holds enough informative groups:
 The cap is never infinite here (verl's ``max_num_gen_batches=0`` means "no cap"): a policy that
 solves every prompt, or none, would otherwise sample forever.
 
-The filter reads the task's rewards, before any KL shaping: a KL penalty makes the shaped rewards
-of a group differ almost surely, but the task gives no signal to learn from.
+The filter reads the task's rewards, before any KL or length shaping (verl's DAPO filters on
+accuracy): a KL penalty or DAPO's overlong penalty makes the shaped rewards of a group differ almost
+surely, but the task gives no signal to learn from, and its advantages would be length alone.
 """
 from __future__ import annotations
 

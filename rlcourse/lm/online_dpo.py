@@ -12,17 +12,18 @@ trained, so the comparisons follow it wherever it goes:
                                           missing_eos_penalty where no <eos> was written)
         pairs <- online_dpo_pairs(s, prompt of each y)          # each prompt's best against its worst
         loss  <- preference_objective(log pi_theta and log pi_ref of the pairs' answers)
-        one AdamW step (gradient clipped), learning rate decayed linearly to 0
+        one AdamW step (gradient clipped), learning rate decayed linearly to 0 (and held at 0)
 
 Every formula lives elsewhere (:func:`rlcourse.losses.beyond_dpo.online_dpo_pairs`,
 :func:`rlcourse.lm.dpo.batch_loss`); this module samples, scores and logs what TRL's
 ``OnlineDPOTrainer`` logs, under its names (``objective/scores``, ``objective/scores_margin``,
 ``objective/kl``, ``val/contain_eos_token``, ``rewards/*``, ``logps/*``, ``loss``) plus ``pairs`` (the
-pairs formed: a prompt whose answers all score alike gives none).
+pairs formed: a prompt whose answers all score alike gives none). Reference-free losses (SimPO, ORPO)
+log no ``objective/kl``: without a reference there is none to measure.
 
 Several seeds train as one stacked model when ``seeds`` is given (:mod:`rlcourse.lm.seed_batch`):
-seed ``s`` is the run ``seeds=[seeds[s]]`` would make, its own prompts, samples, weights and AdamW
-state; a seed without a pair in a step does not move in that step.
+seed ``s`` is the run ``seeds=[seeds[s]]`` would make, its own prompts, samples, copy of the reward
+function, weights and AdamW state; a seed without a pair in a step does not move in that step.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from rlcourse.lm.model import frozen_copy
 from rlcourse.lm.reward_model import score_completions
 from rlcourse.lm.sampling import sample
 from rlcourse.lm.seed_batch import SeedAdam, seed_model, stack_models
+from rlcourse.lm.seed_batched import score_by_seed, seed_copies
 
 __all__ = ["OnlineDPOConfig", "OnlineDPOTrainer", "BradleyTerryRater"]
 
@@ -83,7 +85,9 @@ class OnlineDPOConfig(DPOConfig):
     * ``missing_eos_penalty`` (None): subtracted from the score of an answer without ``<eos>``.
 
     ``loss_type`` may be any pairwise loss of :class:`~rlcourse.lm.dpo.DPOConfig` (TRL's online trainer
-    offers ``sigmoid`` and ``ipo``); ``kto`` is refused (its reference point needs another pass).
+    offers ``sigmoid`` and ``ipo``); ``kto`` is refused (its reference point needs another pass). ``ipo``
+    is TRL's ``OnlineDPOTrainer``'s: ``(h - 1 / (2 beta))^2`` on whole-sequence log-ratios, where offline
+    :func:`~rlcourse.lm.dpo.train_dpo`, as TRL's ``DPOTrainer``, averages them per token.
     ``num_train_epochs`` and ``precompute_ref_log_probs`` are not read.
     """
 
@@ -120,7 +124,9 @@ class OnlineDPOTrainer:
     Without ``seeds``: one run, ``model`` trained in place (any causal LM), seed ``args.seed``,
     reference a frozen copy of ``model`` (or ``ref_model``). With ``seeds``: one run per seed in one
     stacked model (plain GPT-2 only), ``model`` left as it is; ``model_of(s)`` copies seed ``s`` out.
-    ``history[s]`` holds run ``s``'s metrics, one dict per step.
+    ``history[s]`` holds run ``s``'s metrics, one dict per step. A stacked run ``s`` calls its own deep
+    copies of a reward function and ``gold_fn`` (``seed_rewards[s]``, ``seed_golds[s]``; a reward model
+    is shared), so a rater with state draws for it what it draws in the run ``seeds=None, seed=seeds[s]``.
     """
 
     def __init__(self, model, tokenizer, reward_funcs, prompt_fn, args: OnlineDPOConfig | None = None,
@@ -156,6 +162,9 @@ class OnlineDPOTrainer:
         self.model.eval()        # no dropout: the policy and its reference score tokens the same way
         self.device = next(self.model.parameters()).device
         self.generators = [torch.Generator(self.device).manual_seed(s) for s in self.seeds]
+        S = len(self.seeds)
+        self.seed_rewards = seed_copies(self.reward_funcs, S, "reward_funcs") if self.stacked else [self.reward_funcs]
+        self.seed_golds = seed_copies(gold_fn, S, "gold_fn") if self.stacked else [gold_fn]
         self.step_count = 0
         self.history: list[list[dict]] = [[] for _ in self.seeds]
         self.seconds = 0.0
@@ -175,7 +184,7 @@ class OnlineDPOTrainer:
             s = score_completions(self.reward_funcs, roll.prompt_ids, roll.prompt_mask, roll.completion_ids,
                                   roll.completion_mask)
         else:
-            s = torch.as_tensor(self.reward_funcs(roll.prompts, roll.completions), dtype=torch.float32)
+            s = score_by_seed(self.seed_rewards)(roll.prompts, roll.completions)   # each run's rows by its own copy
         s = s.to(self.device, torch.float32).flatten()
         if s.shape[0] != len(roll.completions):
             raise ValueError(f"reward_funcs must return one score per completion ({len(roll.completions)}), got {s.shape[0]}")
@@ -206,15 +215,16 @@ class OnlineDPOTrainer:
             block = slice(s * P * G, (s + 1) * P * G)
             chosen, rejected = (i.to(self.device) + s * P * G for i in online_dpo_pairs(scores[block].cpu(), groups))
             m = {"objective/scores": float(scores[block].mean()),
-                 "objective/kl": float((logp[block].detach().sum(-1) - ref[block]).mean()),
                  "val/contain_eos_token": float(roll.finished[block].float().mean()),
                  "pairs": len(chosen)}
+            if self.ref_model is not None:   # reference-free: ref is 0, and logp - 0 is no KL
+                m["objective/kl"] = float((logp[block].detach().sum(-1) - ref[block]).mean())
             if self.gold_fn is not None:
-                m["gold/scores"] = float(torch.as_tensor(self.gold_fn(roll.prompts[block], roll.completions[block])).float().mean())
+                m["gold/scores"] = float(torch.as_tensor(self.seed_golds[s](roll.prompts[block], roll.completions[block])).float().mean())
             if len(chosen):
                 both = torch.cat([chosen, rejected])
                 loss, cl, rl = batch_loss(a, logp[chosen], logp[rejected], roll.completion_mask[both], ref[chosen],
-                                          ref[rejected])
+                                          ref[rejected], ipo_per_token=False)   # TRL's OnlineDPOTrainer's IPO
                 losses[s], active[s] = loss, True
                 m.update(loss=float(loss.detach()), **{"objective/scores_margin": float((scores[chosen] - scores[rejected]).mean())},
                          **dpo_metrics(cl, rl, ref[chosen], ref[rejected], a.beta))
@@ -252,16 +262,19 @@ class OnlineDPOTrainer:
             self.optimizer.step()
 
     def train(self, max_steps: int | None = None, progress: bool = True, callback=None) -> list[list[dict]]:
-        """Run ``max_steps`` steps (default ``args.max_steps``) with a bar of the score and KL averaged over runs.
+        """Run ``max_steps`` steps (default ``args.max_steps``) with a bar of the score and KL (if any) averaged over runs.
 
-        ``callback(step, trainer)`` runs after each step. The learning-rate schedule counts ``args.max_steps``.
+        ``callback(step, trainer)`` runs after each step. The learning-rate schedule counts ``args.max_steps``;
+        steps past it (a second ``train()``) run at rate 0 under ``linear``, as TRL's schedule does.
         """
         steps = self.args.max_steps if max_steps is None else max_steps
         bar = tqdm(range(steps), disable=not progress, desc=f"online DPO x{self.num_seeds}" if self.stacked else "online DPO")
         for i in bar:
             rows = self.step()
-            bar.set_postfix(score=f"{np.mean([r['objective/scores'] for r in rows]):.3f}",
-                            kl=f"{np.mean([r['objective/kl'] for r in rows]):.2f}")
+            shown = {"score": f"{np.mean([r['objective/scores'] for r in rows]):.3f}"}
+            if "objective/kl" in rows[0]:
+                shown["kl"] = f"{np.mean([r['objective/kl'] for r in rows]):.2f}"
+            bar.set_postfix(shown)
             if callback is not None:
                 callback(i + 1, self)
         return self.history

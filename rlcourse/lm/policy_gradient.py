@@ -8,6 +8,7 @@ Pseudocode of one step (every formula lives in :mod:`rlcourse.losses.grpo`):
     [dynamic_sampling (DAPO): keep the groups whose r are not all equal, draw fresh prompts and
      repeat until n such groups or max_num_gen_batches draws; keep the first n]
                                                       # rlcourse.lm.dynamic_sampling.fill_batch
+    r        <- r + overlong_penalty(|y|)             (overlong_buffer_len > 0: DAPO's soft punishment)
     r        <- r - beta * sum_t k1_t                 (kl_in_reward: RLOO's KL in the reward)
     A        <- advantages(r)                         (grpo | rloo | batch_mean | moving_average)
     logp_old <- log pi_theta(y) now, without grad     (only when num_iterations > 1)
@@ -77,6 +78,8 @@ class PolicyGradientConfig:
     collected is, and a step with nothing collected is skipped. ``num_gen_batches`` logs the draws;
     ``reward``, ``reward_std``, ``frac_reward_zero_std`` and the ``completions/*`` metrics are over
     every completion drawn in the step. ``max_num_gen_batches=1`` only drops (the batch shrinks).
+    The filter reads the task's rewards before the overlong penalty (verl's DAPO filters on accuracy);
+    the kept groups train on the penalised ones.
 
     ``loss_type`` is one of ``grpo, bnpo, dr_grpo, dapo, cispo, sapo`` (TRL's default ``dapo``) or
     ``rloo`` (rlcourse's name for RLOOTrainer's only loss: PPO-clip on the whole-sequence ratio).
@@ -87,7 +90,8 @@ class PolicyGradientConfig:
     per-token policy loss by TRL's weight ``pi_old / mu`` in ``vllm_importance_sampling_mode``
     (``token_truncate``, ``token_mask``, ``sequence_truncate``, ``sequence_mask``) with the bounds
     ``vllm_importance_sampling_clip_min`` / ``_clip_max``
-    (:func:`rlcourse.losses.off_policy.sampler_importance_weights`). Our default is ``False``: TRL's
+    (:func:`rlcourse.losses.off_policy.sampler_importance_weights`); as TRL's ``GRPOConfig``, a ``*_truncate``
+    mode needs at least one bound and ``clip_min`` must be below ``clip_max``. Our default is ``False``: TRL's
     is ``True``, and TRL applies it only with ``use_vllm``; here it applies only with a sampler.
     ``off_policy_mask_threshold`` is DeepSeek-V3.2's sequence mask
     (:func:`rlcourse.losses.off_policy.off_policy_sequence_mask`; TRL's default ``None``, off), against
@@ -176,6 +180,16 @@ class PolicyGradientConfig:
             raise ValueError(f"off_policy_mask_threshold must be None or >= 0, got {self.off_policy_mask_threshold!r}")
         check_is_bounds(self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max,
                         "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and low == high:   # refused by TRL's GRPOConfig too (it wants clip_min < clip_max)
+            raise ValueError(f"vllm_importance_sampling_clip_min ({low!r}) must be below "
+                             f"vllm_importance_sampling_clip_max ({high!r}): equal bounds truncate every ratio to one "
+                             f"constant or mask all but one value")
+        if (self.vllm_importance_sampling_correction and self.vllm_importance_sampling_mode.endswith("truncate")
+                and low is None and high is None):   # TRL's GRPOConfig refuses it: a truncation with no bound
+            raise ValueError(f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} truncates the "
+                             f"ratio: set vllm_importance_sampling_clip_max (e.g. TRL's 3.0) and/or "
+                             f"vllm_importance_sampling_clip_min; with neither the weight is the raw, unbounded ratio")
         if self.ratio_against_sampler and self.vllm_importance_sampling_correction:
             raise ValueError("ratio_against_sampler=True takes the sampler's log-probs as pi_old, so the importance "
                              "weight pi_old / mu would be 1 everywhere: set vllm_importance_sampling_correction=False")
@@ -415,23 +429,28 @@ class PolicyGradientTrainer:
         return adv
 
     def _draw(self, n_prompts: int):
-        """One generation batch: ``n_prompts`` fresh prompts, ``num_generations`` completions each, scored."""
+        """One generation batch: ``n_prompts`` fresh prompts, ``num_generations`` completions each, and their task
+        rewards (before any shaping)."""
         c = self.config
         prompts = [p for p in self.task.prompts(n_prompts, self.rng) for _ in range(c.num_generations)]
         roll = (self.sampler or sample)(self.model, self.tokenizer, prompts, self.max_len, temperature=c.temperature,
                                         generator=self.generator)
-        return roll, overlong_shaped(c, roll, checked_rewards(self.task, prompts, roll.completions, self.device),
-                                     self.max_len)
+        return roll, checked_rewards(self.task, prompts, roll.completions, self.device)
 
     def _sample_groups(self):
-        """The step's completions and rewards (refilled by dynamic sampling), and every draw made."""
+        """The step's completions and rewards (refilled by dynamic sampling), and every draw made; rewards with
+        the overlong penalty. Dynamic sampling filters on the task's rewards, before the penalty (as verl's DAPO
+        filters on accuracy): a group whose answers differ only in length has nothing to teach about the task."""
         c = self.config
         n_groups = c.per_device_train_batch_size // c.num_generations
         if not c.dynamic_sampling:
             roll, rewards = self._draw(n_groups)
+            rewards = overlong_shaped(c, roll, rewards, self.max_len)
             return roll, rewards, [(roll, rewards)]
-        return fill_batch(lambda: self._draw(n_groups), n_groups, c.num_generations, c.max_num_gen_batches,
-                          self.tokenizer.pad_token_id)
+        roll, rewards, drawn = fill_batch(lambda: self._draw(n_groups), n_groups, c.num_generations,
+                                          c.max_num_gen_batches, self.tokenizer.pad_token_id)
+        drawn = [(r, overlong_shaped(c, r, task_rewards, self.max_len)) for r, task_rewards in drawn]
+        return roll, None if roll is None else overlong_shaped(c, roll, rewards, self.max_len), drawn
 
     @torch.no_grad()
     def make_batch(self) -> _Batch:

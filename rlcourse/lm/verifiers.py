@@ -120,6 +120,11 @@ def _checked_weights(reward_funcs, reward_weights) -> tuple[list, list[float]]:
     if len(weights) != len(funcs) or not all(math.isfinite(w) for w in weights):
         raise ValueError(f"reward_weights must hold one finite weight per reward function ({len(funcs)}), got "
                          f"{reward_weights!r}")
+    names = [_name(fn) for fn in funcs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:   # rewards are kept by name: the second would overwrite the first
+        raise ValueError(f"reward_funcs must have distinct names (each function's rewards are kept and logged under "
+                         f"its __name__), got {names}: {twice} more than once; set a distinct __name__ on each")
     return funcs, weights
 
 
@@ -127,7 +132,8 @@ def combine_rewards(reward_funcs, prompts: list[str], completions: list[str],
                     reward_weights=None) -> tuple[torch.Tensor, dict]:
     """``r_j = sum_i w_i f_i(x_j, y_j)``: TRL's ``reward_funcs`` weighted by ``reward_weights`` (default all 1).
 
-    Returns the float32 total ``(B,)`` and ``{name: (B,) rewards}`` of each function. Each function
+    Returns the float32 total ``(B,)`` and ``{name: (B,) rewards}`` of each function (``__name__``, or the
+    class name; two functions of one name are refused, not renamed: set a distinct ``__name__``). Each function
     must return one finite number per completion: None, NaN, +-inf, a non-number or a list of the
     wrong length raises ``ValueError`` naming the function and (for a bad value) the completion.
     TRL differs on None: it reads None as "this function does not apply" and sums the others
@@ -164,7 +170,8 @@ class RewardedTask:
 
     Prompts, held-out prompts and ``max_new_tokens`` are ``task``'s, so any trainer of
     :mod:`rlcourse.lm` takes it where it takes a task. ``last_rewards`` keeps the per-function
-    rewards of the latest call (TRL logs their means as ``rewards/<name>/mean``).
+    rewards of the latest call by name (TRL logs their means as ``rewards/<name>/mean``): two reward
+    functions of one ``__name__`` are refused here, not renamed.
     """
 
     def __init__(self, task, reward_funcs, reward_weights=None):

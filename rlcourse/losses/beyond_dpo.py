@@ -41,12 +41,13 @@ REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo", "sft")   # losses that never read 
 def average_logps(token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``sum_t m_t log pi(y_t | x, y_<t) / sum_t m_t``: each row's log-prob per real token, shape (B,).
 
-    A row without real tokens counts as one token (no division by zero)."""
+    A row without real tokens counts as one token (no division by zero). Padding may hold anything (NaN, inf):
+    it is selected away with ``torch.where``, not multiplied by 0."""
     if token_logps.dim() != 2 or token_logps.shape != mask.shape:
         raise ValueError(f"token_logps and mask must be (B, T) of one shape, got {tuple(token_logps.shape)} "
                          f"and {tuple(mask.shape)}")
     m = mask.to(token_logps.dtype)
-    return (token_logps * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    return torch.where(mask.bool(), token_logps, 0.0).sum(-1) / m.sum(-1).clamp(min=1.0)
 
 
 def simpo_loss(chosen_avg_logps, rejected_avg_logps, beta: float, gamma: float,
@@ -68,14 +69,17 @@ def simpo_loss(chosen_avg_logps, rejected_avg_logps, beta: float, gamma: float,
     return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
 
 
+_LOG2 = 0.6931471805599453
+_ALMOST_SURE = 1e-4   # ORPO: a per-token average log-prob above -1e-4 takes the form finite at 0 (orpo_loss)
+
+
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """``log(1 - exp(x))`` for ``x < 0``, without cancellation on either side of ``-log 2``.
 
     The ``log1p`` branch sees ``x`` clamped to its side: where ``exp(x)`` rounds to 1 (``x`` about
     -1e-8 in float32) it would be ``log1p(-1) = -inf``, and its zero weight in ``where`` times an
     infinite derivative is a NaN gradient, although the value taken from the other branch is finite."""
-    log2 = 0.6931471805599453
-    return torch.where(x < -log2, torch.log1p(-torch.exp(x.clamp(max=-log2))), torch.log(-torch.expm1(x)))
+    return torch.where(x < -_LOG2, torch.log1p(-torch.exp(x.clamp(max=-_LOG2))), torch.log(-torch.expm1(x)))
 
 
 def orpo_log_odds_ratio(chosen_avg_logps, rejected_avg_logps) -> torch.Tensor:
@@ -96,9 +100,21 @@ def orpo_loss(chosen_avg_logps, rejected_avg_logps, beta: float) -> torch.Tensor
     sigmoid(...)`` and subtracts its mean from the NLL: the same number.) The NLL that
     :func:`preference_objective` adds is the chosen *completion's* (the paper's eq. 2); TRL 1.16's
     ``ORPOTrainer`` takes it over the prompt's tokens too, following the authors' code.
+
+    A chosen answer the policy is certain of (``log pi(y_w|x) / |y_w| = 0``) gives loss 0 and the finite
+    gradient ``-beta odds(y_l)`` here; TRL 1.16's ``odds_ratio_loss`` gives a NaN gradient there.
     """
     _check_beta(beta)
-    return -beta * F.logsigmoid(orpo_log_odds_ratio(chosen_avg_logps, rejected_avg_logps))
+    w, l = _logps(chosen_avg_logps=chosen_avg_logps, rejected_avg_logps=rejected_avg_logps)
+    # A chosen answer the policy is certain of (w = 0: float32's log-softmax returns 0.0 for a token ~20 nats
+    # ahead) has infinite log-odds, whose infinite derivative times logsigmoid's zero slope is a NaN gradient.
+    # Near w = 0 the same loss is log(1 + odds(y_l) / odds(y_w)) with 1 / odds(y_w) = expm1(-w): finite and
+    # smooth through w = 0 (loss 0, gradient -odds(y_l)). Each branch sees w clamped to its side.
+    near = w > -_ALMOST_SURE
+    far_w, near_w = w.clamp(max=-_ALMOST_SURE), w.clamp(min=-_ALMOST_SURE)
+    far = -F.logsigmoid(orpo_log_odds_ratio(far_w, l))
+    close = torch.log1p(torch.expm1(-near_w) * torch.exp(l - _log1mexp(l)))
+    return beta * torch.where(near, close, far)
 
 
 def kto_reference_point(kl_logps, ref_kl_logps) -> torch.Tensor:
@@ -190,7 +206,7 @@ def preference_objective(chosen_token_logps, rejected_token_logps, chosen_mask, 
                          ref_chosen_logps, ref_rejected_logps, *, beta: float, loss_type="sigmoid", loss_weights=None,
                          label_smoothing: float = 0.0, simpo_gamma: float = 0.5, rdpo_alpha: float = 0.0,
                          desirable_weight: float = 1.0, undesirable_weight: float = 1.0, kl_logps=None,
-                         ref_kl_logps=None) -> torch.Tensor:
+                         ref_kl_logps=None, ipo_per_token: bool = True) -> torch.Tensor:
     """The scalar a preference trainer minimises on one batch of pairs, from per-token log-probs.
 
     ``loss_type``: a name of :data:`ALL_PREFERENCE_LOSS_TYPES` or a list (``loss_weights`` one weight
@@ -200,7 +216,9 @@ def preference_objective(chosen_token_logps, rejected_token_logps, chosen_mask, 
     splits each pair into a desirable and an undesirable single; its reference point ``z0`` comes
     from ``kl_logps`` and ``ref_kl_logps`` (policy and reference log-probs of mismatched
     prompt-completion pairs, as TRL's ``KTOTrainer`` builds them) or, when they are not given, from
-    the batch's own completions: ``max(0, mean r)`` over all of them, detached.
+    the batch's own completions: ``max(0, mean r)`` over all of them, detached. Token log-probs off the
+    masks are not read (they may hold anything, NaN included). ``ipo_per_token``: IPO's log-ratios averaged
+    per token (TRL's ``DPOTrainer``, the default) or whole (TRL's ``OnlineDPOTrainer``).
     """
     types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
     weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
@@ -209,6 +227,9 @@ def preference_objective(chosen_token_logps, rejected_token_logps, chosen_mask, 
                          f"{loss_type!r} and {loss_weights!r}")
     if (kl_logps is None) != (ref_kl_logps is None):
         raise ValueError("pass kl_logps and ref_kl_logps together (or neither)")
+    # where, not a product: padding may hold junk (NaN, inf), and 0 * NaN is NaN
+    chosen_token_logps = torch.where(chosen_mask.bool(), chosen_token_logps, 0.0)
+    rejected_token_logps = torch.where(rejected_mask.bool(), rejected_token_logps, 0.0)
     chosen_logps, rejected_logps = chosen_token_logps.sum(-1), rejected_token_logps.sum(-1)
     chosen_len, rejected_len = chosen_mask.sum(-1), rejected_mask.sum(-1)
     total = 0.0
@@ -234,8 +255,10 @@ def preference_objective(chosen_token_logps, rejected_token_logps, chosen_mask, 
                              rejected_len, beta, rdpo_alpha).mean()
         elif kind in DPO_LOSS_TYPES:
             term = preference_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=beta,
-                                   loss_type=kind, label_smoothing=label_smoothing, chosen_lengths=chosen_len,
-                                   rejected_lengths=rejected_len, chosen_token_logps=chosen_token_logps,
+                                   loss_type=kind, label_smoothing=label_smoothing,       # lengths: IPO's alone
+                                   chosen_lengths=chosen_len if ipo_per_token else None,
+                                   rejected_lengths=rejected_len if ipo_per_token else None,
+                                   chosen_token_logps=chosen_token_logps,
                                    chosen_mask=chosen_mask)
         else:
             raise ValueError(f"loss_type must be one of {ALL_PREFERENCE_LOSS_TYPES} (or a list), got {kind!r}")
