@@ -34,9 +34,10 @@ __all__ = ["cast_copy", "quantised_copy", "CopySampler", "StaleSampler"]
 def cast_copy(model, dtype: torch.dtype = torch.bfloat16):
     """A copy of ``model`` with every floating-point parameter and buffer in ``dtype``, in eval mode.
 
-    The copy computes everything in ``dtype``, its final log-softmax included; an inference engine
-    such as vLLM runs its matrices in bf16 too but takes the log-softmax in float32, so this copy's
-    gap to a float32 trainer is a little larger than an engine's on the same weights.
+    The copy's forward runs in ``dtype``, its logits included; :func:`rlcourse.lm.sample` (and
+    :func:`rlcourse.lm.logprobs.sequence_logprobs`) cast those logits to float32 before the softmax and
+    the log-softmax, as an inference engine such as vLLM does. So the gap to a float32 trainer comes
+    from the rounded weights, activations and logits, not from a low-precision log-softmax.
     """
     out = copy.deepcopy(model)
     for t in list(out.parameters()) + list(out.buffers()):

@@ -21,7 +21,9 @@ How it works (the same loop as ``model.generate``, with the RL bookkeeping kept 
    *unrestricted* temperature-scaled distribution, which is what
    :func:`rlcourse.lm.logprobs.sequence_logprobs` recomputes (see below).
 5. A row that has produced ``<eos>`` is finished: it keeps receiving ``<pad>``, its mask is 0
-   and its log-probs are 0. The loop stops early once every row is finished.
+   and its log-probs are 0. The loop stops early once every row is finished. With one generator
+   per seed (a seed-stacked model), a seed whose rows have all finished stops drawing from its
+   generator, as its solo run stops: each seed's stream advances exactly as alone, call after call.
 
 Why special tokens are masked, and why the stored log-probs are not. A policy that writes
 ``<pad>`` mid-completion is trained on that token; if a verifier then read text with special
@@ -142,7 +144,8 @@ def banned_token_ids(tokenizer) -> list[int]:
 
 def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
                 generator: torch.Generator | None,
-                banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                banned: torch.Tensor | None = None,
+                alive: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from ``logits`` (B, V); return it (B,) and its log-prob (B,).
 
     The draw is from ``softmax(logits / temperature)`` with the ``banned`` ids' logits at ``-inf``
@@ -150,6 +153,10 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
     the argmax of the same masked logits. The log-prob returned is that of the token under the
     unmasked ``log_softmax(logits / temperature)`` (``temperature=1`` when greedy): the quantity
     :func:`rlcourse.lm.logprobs.sequence_logprobs` recomputes (module docstring).
+
+    ``generator`` may be a list of S generators, one per equal block of rows (a seed-stacked
+    model's seeds). A block none of whose rows is ``alive`` (B,) then draws nothing and gets
+    token 0 (the caller pads it): its generator stays where that seed's solo run stops drawing.
     """
     allowed = logits if banned is None or banned.numel() == 0 else logits.index_fill(1, banned, float("-inf"))
     if temperature == 0:  # greedy decoding; the log-prob reported is that of the T=1 policy
@@ -163,8 +170,10 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         probs = F.softmax(scaled, dim=-1)
         if isinstance(generator, (list, tuple)):   # a seed-stacked model: each seed's rows from its own stream
-            token = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in
-                               zip(probs.chunk(len(generator)), generator)]).squeeze(1)
+            live = [True] * len(generator) if alive is None else alive.view(len(generator), -1).any(1).tolist()
+            token = torch.cat([torch.multinomial(p, 1, generator=g) if on else   # a finished seed draws nothing
+                               torch.zeros(len(p), 1, dtype=torch.long, device=p.device)
+                               for p, g, on in zip(probs.chunk(len(generator)), generator, live)]).squeeze(1)
         else:
             token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
     return token, logp_all.gather(1, token.unsqueeze(1)).squeeze(1)
@@ -330,8 +339,8 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
             banned = torch.tensor(banned_token_ids(tokenizer), dtype=torch.long, device=dev)
             tokens, logps, masks = [], [], []
             for step in range(max_new_tokens):
-                token, logp = _next_token(logits.float(), temperature, top_k, generator, banned)
                 alive = ~finished
+                token, logp = _next_token(logits.float(), temperature, top_k, generator, banned, alive)
                 token = torch.where(alive, token, torch.full_like(token, pad_id))
                 tokens.append(token)
                 logps.append(torch.where(alive, logp, torch.zeros_like(logp)))

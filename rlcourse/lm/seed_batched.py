@@ -2,12 +2,14 @@
 
 Each seed is the run that :class:`~rlcourse.lm.policy_gradient.PolicyGradientTrainer` would make
 with ``config.seed`` set to that seed: its own prompt stream (``numpy`` generator), its own sampling
-stream (``torch.Generator``), weights, Adam moments and step count, baseline and metrics. What
-they share is the work of a step (see :mod:`rlcourse.lm.seed_batch` for why that is faster):
+stream (``torch.Generator``), its own copy of the task (a reward with state, a seeded coin or a
+noisy rater, draws for seed s what it draws in seed s's solo run), weights, Adam moments and step
+count, baseline and metrics. What they share is the work of a step (see :mod:`rlcourse.lm.seed_batch`
+for why that is faster):
 
-    prompts_s <- task.prompts(n, rng_s), each repeated num_generations times      for every seed s
+    prompts_s <- task_s.prompts(n, rng_s), each repeated num_generations times    for every seed s
     y         <- sample(stacked pi, [prompts_1 | ... | prompts_S], generators)    # one decoding loop
-    r_s, A_s  <- task.reward(prompts_s, y_s), advantages(r_s)                     for every seed s
+    r_s, A_s  <- task_s.reward(prompts_s, y_s), advantages(r_s)                   for every seed s
     repeat num_iterations times:
         logp  <- log pi(y) at `temperature`                                       # one forward pass
         L     <- sum_s loss_s(logp_s, A_s)                                        # one backward pass
@@ -21,6 +23,8 @@ batches): ``dynamic_sampling=True`` is refused here.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -32,7 +36,34 @@ from rlcourse.lm.policy_gradient import (PolicyGradientConfig, _Batch, advantage
 from rlcourse.lm.sampling import sample
 from rlcourse.lm.seed_batch import SeedAdam, seed_model, seed_runs, stack_models
 
-__all__ = ["SeedBatchedPolicyGradientTrainer"]
+__all__ = ["SeedBatchedPolicyGradientTrainer", "seed_copies", "score_by_seed"]
+
+
+def seed_copies(obj, num_seeds: int, name: str) -> list:
+    """``obj`` once per seed: a deep copy each, so a reward with state (a seeded coin, a noisy rater, a
+    counter) evolves in seed ``s`` exactly as in seed ``s``'s solo run given ``obj`` as it is now.
+
+    A ``torch.nn.Module`` (a frozen reward model, which keeps no state between calls) and None are
+    shared, not copied. ``obj`` itself is never called. Python copies a plain function by reference,
+    so state held in a closure or a default argument stays shared: keep it on an object instead.
+    """
+    if obj is None or isinstance(obj, torch.nn.Module):
+        return [obj] * num_seeds
+    try:
+        return [copy.deepcopy(obj) for _ in range(num_seeds)]
+    except (TypeError, copy.Error) as error:
+        raise ValueError(f"{name} cannot be copied for each seed ({error}): make it deep-copyable, or run the "
+                         f"single-seed trainer once per seed") from error
+
+
+def score_by_seed(fns: list):
+    """One reward function ``f(prompts, completions)`` over S seed-major blocks of rows: block ``s``
+    scored by ``fns[s]`` alone (float32, one value per completion)."""
+    def score(prompts, completions):
+        n = len(prompts) // len(fns)
+        return torch.cat([torch.as_tensor(f(prompts[s * n:(s + 1) * n], completions[s * n:(s + 1) * n]),
+                                          dtype=torch.float32).flatten().cpu() for s, f in enumerate(fns)])
+    return score
 
 
 class SeedBatchedPolicyGradientTrainer:
@@ -44,6 +75,10 @@ class SeedBatchedPolicyGradientTrainer:
     ``GRPOConfig`` mirrors, and one seed per run is TRL's way). ``history[s]`` holds seed ``s``'s metrics, one dict per step (TRL's names,
     as the single-seed trainer logs them); ``model_of(s)`` returns seed ``s``'s policy as an ordinary
     ``GPT2LMHeadModel``. With ``beta > 0`` the reference is each seed's starting model, frozen.
+
+    ``task`` is one task, which each seed gets a deep copy of (``tasks[s]``), or a list of one task
+    per seed (each seed its own seeded random reward, say); either way seed ``s``'s task sees exactly
+    the calls of seed ``s``'s solo run, whatever other seeds run beside it.
     """
 
     def __init__(self, model, tokenizer, task, config: PolicyGradientConfig | None = None,
@@ -57,8 +92,19 @@ class SeedBatchedPolicyGradientTrainer:
             if not supports(m):
                 raise ValueError(f"model {i} is not a plain GPT-2 model (rlcourse.lm.fast_gpt2.supports): only those "
                                  f"can be seed-batched; use PolicyGradientTrainer for {type(m).__name__}")
-        self.tokenizer, self.task = tokenizer, task
-        self.max_len = completion_budget(c, task)
+        if isinstance(task, (list, tuple)):
+            if len(task) != len(self.seeds):
+                raise ValueError(f"task must be one task or a list of one task per seed ({len(self.seeds)}), "
+                                 f"got {len(task)} tasks")
+            self.tasks = list(task)
+        else:
+            self.tasks = seed_copies(task, len(self.seeds), "task")
+        self.tokenizer, self.task = tokenizer, self.tasks[0]
+        budgets = {completion_budget(c, t) for t in self.tasks}
+        if len(budgets) > 1:
+            raise ValueError(f"the seeds' tasks give different completion budgets {sorted(budgets)}: set "
+                             f"config.max_completion_length")
+        self.max_len = budgets.pop()
         self.model = stack_models(models)
         self.ref_model = stack_models(models).eval().requires_grad_(False) if c.beta > 0 else None
         self.optimizer = SeedAdam(self.model.parameters(), lr=c.learning_rate)
@@ -85,7 +131,8 @@ class SeedBatchedPolicyGradientTrainer:
         """Sample, score and compute every seed's advantages; the batch (seed-major rows) and which seeds learn."""
         c = self.config
         n_groups = c.per_device_train_batch_size // c.num_generations
-        prompts = [[p for p in self.task.prompts(n_groups, rng) for _ in range(c.num_generations)] for rng in self.rngs]
+        prompts = [[p for p in task.prompts(n_groups, rng) for _ in range(c.num_generations)]
+                   for task, rng in zip(self.tasks, self.rngs)]
         size = len(prompts[0])
         roll = (self.sampler or sample)(self.model, self.tokenizer, [p for block in prompts for p in block], self.max_len,
                       temperature=c.temperature, generator=self.generators)
@@ -93,8 +140,8 @@ class SeedBatchedPolicyGradientTrainer:
         if c.mask_truncated_completions:
             mask = mask * roll.finished.long()[:, None]
         b = _Batch(roll.prompt_ids, roll.prompt_mask, roll.completion_ids, mask)
-        rewards = torch.cat([checked_rewards(self.task, block, roll.completions[self._rows(s, size)], self.device)
-                             for s, block in enumerate(prompts)])
+        rewards = torch.cat([checked_rewards(task, block, roll.completions[self._rows(s, size)], self.device)
+                             for s, (task, block) in enumerate(zip(self.tasks, prompts))])
         rewards = overlong_shaped(c, roll, rewards, self.max_len)   # lesson 10b: DAPO's soft overlong punishment
         metrics = [draw_metrics([(roll.select(self._rows(s, size)), rewards[self._rows(s, size)])], c.num_generations)
                    for s in range(self.num_seeds)]
@@ -104,8 +151,12 @@ class SeedBatchedPolicyGradientTrainer:
         if c.kl_in_reward and b.ref_logprobs is not None:   # TRL's RLOO: r - beta * sum_t (log pi_old - log pi_ref)
             old_now = logits_and_logprobs(self.model, b, c.temperature)[1]
             shaped = rewards - c.beta * kl_k1(old_now, b.ref_logprobs, mask).sum(1)
+        active = mask.view(self.num_seeds, size, -1).sum((1, 2)).cpu() > 0   # a seed with no real token skips
         per_seed = []
         for s in range(self.num_seeds):
+            if not bool(active[s]):   # skipped, as the single-seed trainer skips it: the baseline does not move
+                per_seed.append(torch.zeros_like(shaped[self._rows(s, size)]))
+                continue
             adv, self.baselines[s] = advantages(c, shaped[self._rows(s, size)], self.baselines[s])
             per_seed.append(adv)
         b.rewards, b.advantages, b.metrics = shaped, torch.cat(per_seed), metrics
@@ -113,7 +164,6 @@ class SeedBatchedPolicyGradientTrainer:
             b.old_logprobs = logits_and_logprobs(self.model, b, c.temperature)[1]
         if self.sampler is not None:
             attach_sampler_logprobs(c, self.model, b, roll.logprobs)
-        active = mask.view(self.num_seeds, size, -1).sum((1, 2)).cpu() > 0   # a seed with no real token skips
         return b, active
 
     def losses(self, b: _Batch, active: torch.Tensor | None = None) -> tuple[list, list[dict]]:

@@ -2,12 +2,15 @@
 
 Seed ``s`` is the run :class:`~rlcourse.lm.ppo_rlhf.PPORLHFTrainer` would make with ``seed=seeds[s]``:
 its own prompts, sampling stream, minibatch order, policy, critic and Adam state, and its own
-frozen reference. The reward (a reward model or a function) is the task's, one for every seed.
-What the seeds share is the work (:mod:`rlcourse.lm.seed_batch` explains why that is faster):
+frozen reference. A reward model is shared (it keeps no state); a reward function and ``gold_fn``
+are deep-copied per seed, so one with state (a seeded coin, a noisy rater) draws for seed ``s``
+what it draws in seed ``s``'s solo run. What the seeds share is the work (:mod:`rlcourse.lm.seed_batch`
+explains why that is faster):
 
     x_s      <- prompt_fn(batch_size, seed_s * 100_003 + iteration)          for every seed s
     y        <- sample(stacked pi, [x_1 | ... | x_S], generators)             # one decoding loop
-    r, V, ref <- reward(x, y), stacked critic(x, y), stacked reference(x, y)  # one pass each
+    r_s      <- reward_s(x_s, y_s)                                            for every seed s
+    V, ref   <- stacked critic(x, y), stacked reference(x, y)                 # one pass each
     r~, A_s, R_s <- KL-shaped rewards; GAE and whitening within each seed's rows
     for each epoch and minibatch k:
         rows  <- minibatch k of every seed's own permutation, seed-major
@@ -32,6 +35,7 @@ from rlcourse.lm.logprobs import sequence_logprobs
 from rlcourse.lm.ppo_rlhf import (PPOConfig, PPORLHFTrainer, advantages_and_returns, disable_dropout,
                                   iteration_metrics, minibatch_loss)
 from rlcourse.lm.seed_batch import SeedAdam, seed_model, seed_runs, stack_models
+from rlcourse.lm.seed_batched import score_by_seed, seed_copies
 from rlcourse.lm.value_model import token_values
 
 __all__ = ["SeedBatchedPPORLHFTrainer"]
@@ -46,6 +50,8 @@ class SeedBatchedPPORLHFTrainer(PPORLHFTrainer):
     (TRL's names, as the single-seed trainer logs them); ``model_of(s)`` and ``critic_of(s)`` copy
     seed ``s``'s policy and critic out. Only plain GPT-2 models with dropout off can be stacked, so
     ``disable_dropout=False`` is refused. The given models are not trained (the stacks are copies).
+    A reward function and ``gold_fn`` are never called themselves: seed ``s`` calls its own deep copies,
+    ``seed_rewards[s]`` and ``seed_golds[s]``, as its solo run would call them.
     """
 
     def __init__(self, config: PPOConfig, policy, tokenizer, reward_model, value_model, prompt_fn, gold_fn=None,
@@ -62,7 +68,11 @@ class SeedBatchedPPORLHFTrainer(PPORLHFTrainer):
                 raise ValueError(f"seed {i}: the policy must be a plain GPT2LMHeadModel and the critic a ScalarHeadModel "
                                  f"on a plain GPT-2 body (rlcourse.lm.fast_gpt2.supports, supports_scalar_head)")
         self.config, self.tokenizer = config, tokenizer
-        self.reward_model = reward_model.eval() if isinstance(reward_model, torch.nn.Module) else reward_model
+        is_model, S = isinstance(reward_model, torch.nn.Module), len(self.seeds)
+        self.seed_rewards = seed_copies(reward_model.eval() if is_model else reward_model, S, "reward_model")
+        self.seed_golds = seed_copies(gold_fn, S, "gold_fn")
+        # read by rollout(): a reward model scores every row at once, a function each seed's rows with its own copy
+        self.reward_model = self.seed_rewards[0] if is_model else score_by_seed(self.seed_rewards)
         self.prompt_fn, self.gold_fn = prompt_fn, gold_fn
         self.policy = stack_models(policies)
         self.ref_policy = stack_models(policies).eval().requires_grad_(False)
@@ -143,7 +153,8 @@ class SeedBatchedPPORLHFTrainer(PPORLHFTrainer):
             part = {k: v[self._rows(s, B)] for k, v in batch.items()}    # tensors and lists alike
             row = iteration_metrics(self.config, part, stats[s], self.iteration)
             if self.gold_fn is not None:
-                row["gold/scores"] = float(torch.as_tensor(self.gold_fn(part["prompts"], part["completions"])).mean())
+                gold = self.seed_golds[s](part["prompts"], part["completions"])
+                row["gold/scores"] = float(torch.as_tensor(gold).mean())
             self.history[s].append(row)
             rows.append(row)
         self.iteration += 1
