@@ -1,7 +1,8 @@
 """``python -m rlcourse <command>``: the course's command line.
 
 Commands:
-    grade [PATH ...]   grade exercise notebooks (default: exercises/) and print a score table
+    grade [PATH ...]   grade exercise notebooks (default: exercises/) and print a score table;
+                       `grade --help` lists its options (--csv, --manifests, --solutions)
     info               where the course runs: device, threads, profile
 """
 import sys

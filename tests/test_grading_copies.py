@@ -52,7 +52,11 @@ def disguised(source: str) -> str:
 
 
 def test_most_references_are_distinctive():
-    assert len(DISTINCTIVE) >= 0.75 * len(REFERENCES), sorted(set(REFERENCES) - set(DISTINCTIVE))
+    """Of the library's references (the grading modules' own helpers are written as the answers are, and never
+    compared: calling one is what is caught)."""
+    library = [r for r in REFERENCES if not r.startswith("rlcourse.grading")]
+    assert len(DISTINCTIVE) >= 0.75 * len(library), sorted(set(library) - set(DISTINCTIVE))
+    assert not [r for r in DISTINCTIVE if r.startswith("rlcourse.grading")]
 
 
 @pytest.mark.parametrize("reference", DISTINCTIVE)
@@ -83,15 +87,30 @@ def test_the_course_solutions_are_not_copies(path):
     ("import importlib\nimportlib.reload(m)", ["importlib.reload"]), ("f.__code__ = g.__code__", ["an assignment to __code__"]),
     ("import builtins\nbuiltins.exec(s)", ["exec"]), ("from importlib import reload\nreload(m)", ["importlib.reload"]),
     ("model.eval()", []), ("torch.compile(model)", []), ("print(f.__code__)", []),
+    # judged by what the called name is bound to, not by its spelling
+    ("from re import compile\np = compile(r'[0-9]+')", []), ("import re as something\nsomething.compile('a')", []),
+    ("config.reload()", []), ("def f(compile):\n    return compile('x')", []),
+    ("run = exec\nrun(s)", ["exec"]), ("from builtins import exec as run\nrun(s)", ["exec"]),
+    ("import builtins as b\nb.eval('1')", ["eval"]), ("getattr(__builtins__, 'exec')(s)", ["exec"]),
+    ("import importlib\nb = importlib.import_module('builtins')\nb.compile(s, 'f', 'exec')", ["compile"]),
+    ("if False:\n    from re import compile\ncompile(s, 'f', 'exec')", ["compile"]),   # maybe re's: maybe not
+    ("def f():\n    from re import compile\n    return compile('x')\ncompile(s, 'f', 'exec')", ["compile"]),
+    ("setattr(f, '__code__', g.__code__)", ["an assignment to __code__"]),
 ])
 def test_code_run_from_strings_is_found(source, found):
     assert grade.hidden_code(source) == found
+
+
+def test_a_name_bound_in_an_earlier_cell_keeps_its_binding():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in (
+        "import re as regex\nfrom re import compile", "pattern = compile(r'[0-9]+')", "from builtins import compile",
+        "code = compile(src, 'f', 'exec')")])
+    assert grade.hidden_code_in(nb) == {3: ["compile"]}
 
 
 def test_no_shipped_notebook_runs_code_from_strings():
     for folder in ("course", "solutions", "exercises"):
         for path in (ROOT / folder).glob("*.ipynb"):
             nb = nbformat.read(path, as_version=4)
-            for cell in nb.cells:
-                if cell.cell_type == "code":
-                    assert not grade.hidden_code(cell.source), (path.name, re.sub(r"\s+", " ", cell.source)[:80])
+            found = grade.hidden_code_in(nb)
+            assert not found, [(path.name, re.sub(r"\s+", " ", nb.cells[i].source)[:80]) for i in found]

@@ -294,6 +294,23 @@ def test_a_call_in_the_worker_looks_like_a_call_here(check, answer, outcome, say
     assert result["outcome"] == outcome and says in result["message"], result
 
 
+def test_a_learner_function_copied_is_the_same_function(tmp_path):
+    """A trainer that copies its reward once per seed (the seed-batched one) copies the learner's function as
+    Python copies a plain function: the copy is the function, and calls the worker's."""
+    path = tmp_path / "answer.pkl"
+    with open(path, "wb") as f:
+        cloudpickle.dump(((dpo_ok,), {}), f)
+    session = grade_runner.Session(str(path), {}, timeout=60)
+    try:
+        answer = session.answer
+        assert copy.deepcopy(answer) is answer and copy.copy(answer) is answer
+        assert copy.deepcopy({"reward": [answer]})["reward"][0] is answer
+        x = torch.zeros(2)
+        assert torch.allclose(copy.deepcopy(answer)(x, x, x, x, 0.1), torch.full((2,), 0.6931), atol=1e-4)
+    finally:
+        session.close()
+
+
 def not_done(*args):
     raise NotImplementedError("write this function")
 

@@ -4,7 +4,9 @@ The static cases (a check cell deleted, commented out, wrapped in try/except, ed
 check redefined, the grader patched) are found by comparing the notebook with its manifest,
 without running anything. The dynamic cases run ``grade`` on a tiny class of synthetic learners.
 """
+import contextlib
 import csv
+import io
 import re
 
 import nbformat
@@ -29,6 +31,11 @@ RTG_OK = ("def reward_to_go(rewards, gamma):\n"
           "        G[t] = running\n"
           "    return G\n"
           "    ### END SOLUTION")
+RTG_MINE = ("def reward_to_go(rewards, gamma):\n"       # right, written otherwise than the solution
+            "    out = []\n"
+            "    for r in reversed(list(rewards)):\n"
+            "        out.append(float(r) + gamma * (out[-1] if out else 0.0))\n"
+            "    return np.array(out[::-1])")
 RTG_WRONG = ("def reward_to_go(rewards, gamma):\n"
              "    return np.cumsum(rewards)  # a prefix sum: wrong\n")
 CHECK_1, CHECK_2 = "check_discounted_return(discounted_return)", "check_reward_to_go(reward_to_go)"
@@ -89,7 +96,7 @@ def test_a_redefined_check_and_a_patched_grader_are_tampered():
 
 # ----------------------------------------------------------------------------- a tiny class, graded
 LEARNERS = {
-    "alice": [IMPORTS, RETURN_OK, CHECK_1, RTG_OK, CHECK_2],                     # honest, right
+    "alice": [IMPORTS, RETURN_OK, CHECK_1, RTG_MINE, CHECK_2],                   # honest, right
     "bob": [IMPORTS, RETURN_OK, CHECK_1, RTG_WRONG, "try:\n    " + CHECK_2 + "\nexcept AssertionError:\n    pass"],
     "carol": [IMPORTS + "\nfrom rlcourse.returns import discounted_return", CHECK_1, RTG_WRONG,
               "import rlcourse.grading._core as core\ncore.assert_close = lambda *a, **k: None", CHECK_2],
@@ -111,10 +118,10 @@ CALLS_HELPER = "def discounted_return(rewards, gamma):\n    return my_helper(rew
 LEARNERS.update({
     # the reference's source pasted as a helper (renamed, no docstring, messages re-worded)
     "erin": [IMPORTS + "\nfrom rlcourse.returns import _check_unit_interval", PASTED, CALLS_HELPER, CHECK_1,
-             RTG_OK, CHECK_2],
+             RTG_MINE, CHECK_2],
     # the same source held in a string and exec'd
     "frank": [IMPORTS + "\nfrom rlcourse.returns import _check_unit_interval", f"exec({PASTED!r})", CALLS_HELPER,
-              CHECK_1, RTG_OK, CHECK_2],
+              CHECK_1, RTG_MINE, CHECK_2],
     # a wrong answer that, when called, turns the grading helpers into no-ops where it runs
     "gina": [IMPORTS, "import sys\ndef discounted_return(rewards, gamma):\n"
                       "    for name, m in list(sys.modules.items()):\n"
@@ -122,7 +129,21 @@ LEARNERS.update({
                       "            for h in ('fail', 'assert_close', 'fail_if_mistake'):\n"
                       "                if hasattr(m, h):\n"
                       "                    setattr(m, h, lambda *a, **k: None)\n"
-                      "    return 0.0", CHECK_1, RTG_OK, CHECK_2],
+                      "    return 0.0", CHECK_1, RTG_MINE, CHECK_2],
+    # honest: `compile` is re's, and a module imported under another name is that module
+    "hana": [IMPORTS + "\nimport re as regex\nfrom re import compile\nDIGITS = compile(r'-?[0-9]+')",
+             "def discounted_return(rewards, gamma):\n"
+             "    assert regex.fullmatch(DIGITS, str(len(rewards)))\n"
+             "    return float(sum(gamma ** t * float(r) for t, r in enumerate(rewards)))", CHECK_1, RTG_MINE, CHECK_2],
+    # the shipped solution's reward_to_go pasted, its variables renamed
+    "ivan": [IMPORTS, RETURN_OK, CHECK_1, "def reward_to_go(r, g):\n"
+                                          "    out, acc = np.zeros(len(r)), 0.0\n"
+                                          "    for t in reversed(range(len(r))):\n"
+                                          "        acc = float(r[t]) + g * acc\n"
+                                          "        out[t] = acc\n"
+                                          "    return out", CHECK_2],
+    # the grader's private code reached into (statically: nothing of it has to run)
+    "jack": [IMPORTS + "\nfrom rlcourse.grading.lesson01 import _mdp", RETURN_OK, CHECK_1, RTG_MINE, CHECK_2],
 })
 
 
@@ -131,17 +152,22 @@ def graded_class(tmp_path_factory):
     root = tmp_path_factory.mktemp("grading")
     (root / "manifests").mkdir()
     (root / "manifests" / "99_tiny.json").write_text(checkcells.render_manifest("99_tiny.ipynb", MANIFEST))
+    (root / "solutions").mkdir()
+    nbformat.write(SOLUTION, root / "solutions" / "99_tiny.ipynb")
     for who, cells in LEARNERS.items():
         (root / "class" / who).mkdir(parents=True)
         nbformat.write(notebook(*cells), root / "class" / who / "99_tiny.ipynb")
-    status = grade.main([str(root / "class"), "--csv", str(root / "grades.csv"), "--manifests", str(root / "manifests")])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = grade.main([str(root / "class"), "--csv", str(root / "grades.csv"), "--manifests",
+                             str(root / "manifests"), "--solutions", str(root / "solutions")])
     with open(root / "grades.csv") as f:
         rows = {row["learner"]: row for row in csv.DictReader(f)}
-    return status, rows
+    return status, rows, printed.getvalue()
 
 
 def test_the_class_csv_has_one_row_per_learner_and_one_column_per_check(graded_class):
-    status, rows = graded_class
+    status, rows, _ = graded_class
     assert status == 1
     assert set(rows) == set(LEARNERS)
     assert list(rows["alice"])[:3] == ["learner", "99_tiny:check_discounted_return", "99_tiny:check_reward_to_go"]
@@ -150,19 +176,19 @@ def test_the_class_csv_has_one_row_per_learner_and_one_column_per_check(graded_c
 
 
 def test_a_check_wrapped_in_try_except_is_tampered(graded_class):
-    _, rows = graded_class
+    _, rows, _ = graded_class
     assert rows["bob"]["99_tiny:check_reward_to_go"] == "tampered"
     assert "edited" in rows["bob"]["notes"]
 
 
 def test_the_reference_as_the_answer_is_flagged(graded_class):
-    _, rows = graded_class
+    _, rows, _ = graded_class
     assert rows["carol"]["99_tiny:check_discounted_return"] == "reference"
     assert "rlcourse.returns:discounted_return itself" in rows["carol"]["notes"]
 
 
 def test_a_wrapper_that_calls_the_reference_is_flagged_and_a_redefined_check_runs_the_real_one(graded_class):
-    _, rows = graded_class
+    _, rows, _ = graded_class
     assert rows["dave"]["99_tiny:check_discounted_return"] == "reference"
     assert "calls the reference rlcourse.returns:discounted_return" in rows["dave"]["notes"]
     assert rows["dave"]["99_tiny:check_reward_to_go"] == "failed"        # the real check ran on the wrong answer
@@ -170,28 +196,96 @@ def test_a_wrapper_that_calls_the_reference_is_flagged_and_a_redefined_check_run
 
 
 def test_a_patched_helper_changes_nothing(graded_class):
-    _, rows = graded_class
+    _, rows, _ = graded_class
     assert rows["carol"]["99_tiny:check_reward_to_go"] == "failed"       # the real check ran, in a clean process
     assert "patches the grader (core.assert_close)" in rows["carol"]["notes"]
 
 
 def test_a_pasted_reference_is_found_in_the_notebooks_text(graded_class):
-    _, rows = graded_class
+    _, rows, _ = graded_class
     assert rows["erin"]["99_tiny:check_discounted_return"] == "reference"
     assert "copy of the reference implementation rlcourse.returns:discounted_return" in rows["erin"]["notes"]
     assert rows["erin"]["99_tiny:check_reward_to_go"] == "passed"
 
 
 def test_source_run_from_a_string_is_found_and_flagged(graded_class):
-    _, rows = graded_class
+    _, rows, _ = graded_class
     assert rows["frank"]["99_tiny:check_discounted_return"] == "reference"
     assert "runs code the grader cannot read (exec)" in rows["frank"]["notes"]
 
 
 def test_an_answer_that_disarms_the_grader_where_it_runs_still_fails(graded_class):
-    _, rows = graded_class
+    _, rows, _ = graded_class
     assert rows["gina"]["99_tiny:check_discounted_return"] == "failed"
     assert rows["gina"]["99_tiny:check_reward_to_go"] == "passed"
+
+
+def test_an_import_is_judged_by_what_it_binds_not_its_spelling(graded_class):
+    _, rows, _ = graded_class
+    assert rows["hana"]["99_tiny:check_discounted_return"] == rows["hana"]["99_tiny:check_reward_to_go"] == "passed"
+    assert rows["hana"]["notes"] == "", "re's compile is not code run from a string"
+
+
+def test_the_shipped_solution_pasted_is_flagged(graded_class):
+    _, rows, _ = graded_class
+    assert rows["ivan"]["99_tiny:check_reward_to_go"] == "solution"
+    assert "shipped solution's answer (solutions/99_tiny.ipynb)" in rows["ivan"]["notes"]
+    assert rows["ivan"]["99_tiny:check_discounted_return"] == "passed", "a one-line answer is everyone's"
+    assert rows["alice"]["99_tiny:check_reward_to_go"] == "passed", "an answer written otherwise is the learner's"
+
+
+def test_the_graders_private_code_reached_into_is_tampering(graded_class):
+    _, rows, _ = graded_class
+    assert "uses the grader's private code (rlcourse.grading.lesson01._mdp)" in rows["jack"]["notes"]
+
+
+def test_the_table_names_each_check_passed_or_not(graded_class):
+    _, _, printed = graded_class
+    block = printed.split("alice/99_tiny.ipynb")[1].split("/99_tiny.ipynb")[0]
+    assert re.search(r"check_discounted_return\(discounted_return\)\s+passed", block), printed
+    assert re.search(r"check_reward_to_go\(reward_to_go\)\s+passed", block), printed
+    block = printed.split("bob/99_tiny.ipynb")[1].split("/99_tiny.ipynb")[0]
+    assert re.search(r"check_discounted_return\(discounted_return\)\s+passed", block), printed
+    assert re.search(r"check_reward_to_go\(reward_to_go\)\s+tampered: its check cell was edited", block), printed
+    assert "SOLUTION" in printed.split("ivan/99_tiny.ipynb")[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_grade_help_prints_its_usage(flag, capsys):
+    from rlcourse.__main__ import main
+
+    assert main(["grade", flag]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m rlcourse grade") and "--csv" in out and "--solutions" in out
+
+
+def test_grade_help_from_the_command_line_and_an_unknown_option():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "rlcourse", "grade", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr
+    done = subprocess.run([sys.executable, "-m", "rlcourse", "grade", "--cvs", "x.csv"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "unknown option --cvs" in done.stderr
+
+
+@pytest.mark.parametrize("cells, found", [
+    (["from re import compile\nimport re as something\np = compile('a+')", "something.compile('b')"], []),
+    (["from rlcourse.grading import check_reward_to_go as check_reward_to_go"], []),
+    (["from rlcourse.grading.lesson03 import check_reward_to_go"], []),
+    (["from mine import check_reward_to_go"], ["a cell redefines check_reward_to_go"]),
+    (["import rlcourse\nstep = rlcourse.grading.lesson10._reference_update"],
+     ["a cell uses the grader's private code (rlcourse.grading.lesson10._reference_update)"]),
+    (["import importlib\ng = importlib.import_module('rlcourse.grading.lesson11')", "g._reference_dpo_step(1)"],
+     ["a cell uses the grader's private code (rlcourse.grading.lesson11._reference_dpo_step)"]),
+    (["import sys\nsys.modules['rlcourse.grading'] = None"], ["a cell patches the grader (sys.modules['rlcourse.grading'])"]),
+    (["from rlcourse.grading.lesson06 import ppo_toy_batch"], []),          # a public helper a lesson hands out
+])
+def test_what_a_cell_does_to_the_grader_is_judged_by_binding(cells, found):
+    _, notebook_wide = problems(notebook(IMPORTS, *cells, RETURN_OK, CHECK_1, RTG_OK, CHECK_2))
+    assert notebook_wide == found
 
 
 # ----------------------------------------------------------------------------- what the learner sees

@@ -194,11 +194,15 @@ def _show(x) -> str:
 
 
 def references(*names: str):
-    """Name the reference implementations a check compares with (``"module:qualname"``).
+    """Name the library functions that compute a check's answer, under any name (``"module:qualname"``;
+    :mod:`rlcourse.grading._routes` groups them); the check's own module's reference helpers
+    (``_routes.REFERENCE_HELPERS``: the reference step or run it compares with) are added.
 
     ``python -m rlcourse grade`` flags an answer that is one of them, a copy of one, or calls one.
     """
     def mark(check):
-        check.references = names
+        from rlcourse.grading._routes import helpers_of
+
+        check.references = tuple(dict.fromkeys(names + helpers_of(check.__module__)))
         return check
     return mark

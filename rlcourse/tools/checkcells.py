@@ -9,7 +9,11 @@ trusts) and a copy in the exercise notebook's metadata (``metadata.rlcourse.chec
 :func:`audit` compares a notebook with its manifest before anything runs, in the spirit of
 nbgrader's checksums: a check cell that is missing, edited (commented out, wrapped in
 ``try``/``except``, given other arguments) or moved before another is reported, and so is a cell
-that redefines a ``check_*`` name or assigns into ``rlcourse`` (patching the grader).
+that binds a ``check_*`` name to anything but that check, assigns into ``rlcourse`` (patching the
+grader) or uses the grader's private code (``rlcourse.grading.lesson10._reference_update``, the
+reference step a check compares with). What a name is bound to is read by
+:mod:`rlcourse.tools.bindings`: ``from rlcourse.grading import check_gae`` binds the check,
+``from mine import check_gae`` does not, however either is spelt.
 """
 from __future__ import annotations
 
@@ -86,57 +90,49 @@ class Audit:
     notebook_problems: list[str] = field(default_factory=list)  # redefined checks, patching: the checks still run
 
 
-def _parse(source: str):
-    try:
-        return ast.parse(source)
-    except SyntaxError:
-        return None
+def _allowed_check(name: str, origins: frozenset) -> bool:
+    """Whether a binding of the name ``check_*`` binds it to that very check of ``rlcourse.grading``."""
+    return bool(origins) and all(o == f"rlcourse.grading.{name}" or re.fullmatch(rf"rlcourse\.grading\.lesson\w+\.{name}", o)
+                                 for o in origins)
 
 
-def _rlcourse_aliases(sources) -> set[str]:
-    """Names the notebook binds to rlcourse modules or objects (``import rlcourse.grading._core as core``)."""
-    aliases = {"rlcourse"}
-    for tree in filter(None, map(_parse, sources)):
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                aliases |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("rlcourse")}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rlcourse"):
-                aliases |= {a.asname or a.name for a in node.names}
-    return aliases
+def _in_rlcourse(origin: str) -> bool:
+    return origin == "rlcourse" or origin.startswith("rlcourse.")
 
 
-def _root_name(node) -> str | None:
-    while isinstance(node, (ast.Attribute, ast.Subscript)):
-        node = node.value
-    return node.id if isinstance(node, ast.Name) else None
+def grader_internals(origin: str) -> bool:
+    """Whether ``origin`` is private code of the grader (``rlcourse.grading._core``, ``rlcourse.grading.lesson10._x``):
+    what an answer has no reason to touch, the reference steps the checks compare with among it."""
+    parts = origin.split(".")
+    return parts[:2] == ["rlcourse", "grading"] and any(
+        p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts[2:])
 
 
-def _redefinitions(source: str, aliases: set[str]) -> tuple[list[str], list[str]]:
-    """Names ``check_*`` bound by a cell, and what it assigns into ``rlcourse`` (patching)."""
-    tree = _parse(source)
-    if tree is None:
-        return [], []
-    bound, patched = [], []
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names = [node.name]
-        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for target in targets:
-                for leaf in ast.walk(target):
-                    if isinstance(leaf, ast.Name) and isinstance(leaf.ctx, ast.Store):
-                        names.append(leaf.id)
-                    elif isinstance(leaf, ast.Attribute) and isinstance(leaf.ctx, ast.Store) \
-                            and (_root_name(leaf) in aliases or _CHECK_NAME.search(leaf.attr)):
-                        patched.append(ast.unparse(leaf))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [a.asname for a in node.names if a.asname]
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
-                and node.args and _root_name(node.args[0]) in aliases:
-            patched.append(ast.unparse(node)[:60])
-        bound += [n for n in names if _CHECK_NAME.fullmatch(n)]
-    return bound, patched
+def notebook_problems(sources: list[str], skip: set[int] = frozenset()) -> list[str]:
+    """What the cells of a notebook (``sources``, in order; those in ``skip``, the intact check cells, are read but
+    not judged) do to the grader: rebind a ``check_*`` name to anything but that check, patch ``rlcourse`` (an
+    attribute or item written into it, ``setattr``, a module of it replaced in ``sys.modules``), or reach into the
+    grader's private code. Judged by what each name is bound to (:mod:`rlcourse.tools.bindings`), not by its spelling."""
+    from rlcourse.tools.bindings import Reader
+
+    reader, problems = Reader(), []
+    for i, source in enumerate(sources):
+        events = reader.read(source)
+        if i in skip:
+            continue
+        private = set()
+        for event in events:
+            if event.kind == "bind" and _CHECK_NAME.fullmatch(event.name) and not _allowed_check(event.name, event.origins):
+                problems.append(f"a cell redefines {event.name}")
+            elif event.kind == "store" and (any(_in_rlcourse(o) for o in event.origins) or _CHECK_NAME.fullmatch(event.name)
+                                            or ("sys.modules" in event.origins and _in_rlcourse(event.name))):
+                problems.append(f"a cell patches the grader ({ast.unparse(event.node)[:60]})")
+            elif event.kind in ("load", "import", "bind"):
+                private |= {o for o in event.origins if grader_internals(o)}
+        for origin in sorted(private):
+            if not any(other.startswith(origin + ".") for other in private):
+                problems.append(f"a cell uses the grader's private code ({origin})")
+    return list(dict.fromkeys(problems))
 
 
 def audit(nb, manifest: list[dict]) -> Audit:
@@ -158,11 +154,6 @@ def audit(nb, manifest: list[dict]) -> Audit:
     for (c1, k1), (c2, k2) in zip(found, found[1:]):
         if c2 < c1:
             result.problems.setdefault(k2, f"its check cell was moved above {manifest[k1]['check']}'s")
-    aliases = _rlcourse_aliases(src for _, src in code)
-    for i, src in code:
-        if i in used:
-            continue
-        bound, patched = _redefinitions(src, aliases)
-        result.notebook_problems += [f"a cell redefines {name}" for name in bound]
-        result.notebook_problems += [f"a cell patches the grader ({p})" for p in patched]
+    result.notebook_problems += notebook_problems([src for _, src in code],
+                                                  skip={k for k, (i, _) in enumerate(code) if i in used})
     return result

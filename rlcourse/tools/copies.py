@@ -14,6 +14,12 @@ nothing (the call tripwires of :mod:`~rlcourse.tools.grade_worker` still catch i
 A function counts as a copy from a similarity of :data:`THRESHOLD` (difflib's ratio over the
 normalised token sequences); the course's own solution notebooks, written with the references at
 hand, stay below it (``tests/test_grading_copies.py``).
+
+The same normal form finds an answer pasted from the course's own solution notebooks
+(``solutions/``, which ship with the course): :func:`find_solution_copies` compares the functions of
+an answer with the shipped solution's answer of the same exercise, and reports those equal to it
+once renamed (answers of at least :data:`MIN_SOLUTION_STATEMENTS` statements: a one-line formula is
+everyone's).
 """
 from __future__ import annotations
 
@@ -116,8 +122,12 @@ def distinctive(function: ast.FunctionDef) -> bool:
 
 
 def reference_tokens(name: str) -> list[str] | None:
-    """The normalised form of a distinctive reference ``module:qualname``, else ``None``."""
+    """The normalised form of a distinctive reference ``module:qualname``, else ``None``. The grading modules'
+    own reference helpers are never compared: they are written as a learner writes the answer (the reference
+    step of an exercise is its solution's twin), so a copy of one proves nothing; calling one is what is caught."""
     module, _, qualname = name.partition(":")
+    if module == "rlcourse.grading" or module.startswith("rlcourse.grading."):
+        return None
     try:
         obj = importlib.import_module(module)
         for part in qualname.split("."):
@@ -169,4 +179,41 @@ def find_copies(cells: list[tuple[int, str]], references: list[str], answer: str
                 score = similarity(mine, form)
                 if score >= THRESHOLD:
                     found.append(Copy(name, index, function.name, score))
+    return found
+
+
+# --------------------------------------------------------------------------- the shipped solutions
+BEGIN_SOLUTION = "### BEGIN SOLUTION"
+MIN_SOLUTION_STATEMENTS = 3   # a shorter answer is written the same way by anyone who writes it right
+
+
+def statements(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The statements of a function's body, nested ones included (a docstring does not count)."""
+    body = function.body[1:] if function.body and isinstance(function.body[0], ast.Expr) \
+        and isinstance(function.body[0].value, ast.Constant) else function.body
+    return sum(isinstance(node, ast.stmt) for statement in body for node in ast.walk(statement))
+
+
+def solution_answers(cells: list[tuple[int, str]]) -> dict[str, list[list[str]]]:
+    """``{name: [normalised form, ...]}`` of the answers of a solution notebook: each function defined in a cell
+    that holds a solution region (``### BEGIN SOLUTION``) and has at least :data:`MIN_SOLUTION_STATEMENTS`."""
+    answers: dict[str, list[list[str]]] = {}
+    for _, source in cells:
+        if BEGIN_SOLUTION not in source:
+            continue
+        for function in functions_in(source):
+            if statements(function) >= MIN_SOLUTION_STATEMENTS:
+                answers.setdefault(function.name, []).append(tokens(function))
+    return answers
+
+
+def find_solution_copies(cells: list[tuple[int, str]], forms: list[list[str]], answer: str) -> list[tuple[int, str]]:
+    """``(cell, function)`` for each function of the answer ``answer`` (itself and the helpers it reaches) whose
+    normalised form equals one of ``forms``: the shipped solution's answer, renamed or not."""
+    part_of_answer = reachable(cells, answer)
+    found = []
+    for index, source in cells:
+        for function in functions_in(source):
+            if function.name in part_of_answer and tokens(function) in forms:
+                found.append((index, function.name))
     return found

@@ -353,6 +353,14 @@ class RemoteFunction:
     def __repr__(self):
         return f"<learner function {getattr(self, '__name__', '?')}>"
 
+    # A copy is the same function, as Python's copy of a plain function is (a trainer that copies its
+    # reward per seed, such as the seed-batched one, calls the one function in the worker).
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
 
 class RemoteGradient(torch.autograd.Function):
     """A returned value whose backward is the worker's vector-Jacobian product (first order)."""

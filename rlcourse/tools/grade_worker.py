@@ -6,13 +6,15 @@ learner's code exists in it, the worker
 * turns every reference implementation of the check into a **tripwire**: the function's code is
   replaced by code that reports the call on a channel of its own and raises
   :class:`ReferenceUsed`. A reference called from any thread, under any profiler, through any
-  wrapper, reports itself and computes nothing;
+  wrapper, reports itself and computes nothing. A reference inside a cache or a decorator
+  (``functools.lru_cache``, ``torch.no_grad``) is the function it wraps; a method whose code cannot be
+  swapped (it calls ``super()``) is replaced on its class;
 * records a **fingerprint** of each distinctive reference's bytecode (see
   :func:`rlcourse.tools.copies.distinctive`), so that a copy of it (pasted, renamed, without its
   docstring, ``exec``'d) is recognised wherever it turns up in the learner's code;
 * installs an **audit hook** (which Python lets no one remove) that refuses to re-execute a
   reference's module (``importlib.reload``) and reports source handed to ``compile``/``exec``
-  that defines a reference by name.
+  that defines a reference by name (a method: by its name inside a class of its class's name).
 
 Then it loads the learner's function (cloudpickle, as the notebook's kernel saved it) and serves
 the judge: calls, gradients of what it returned, and calls of functions it returned, until the
@@ -92,6 +94,7 @@ class Worker:
         self.findings: list[str] = []
         self.fingerprints: dict[tuple, str] = {}
         self.tripwired: dict[str, tuple] = {}
+        self.held: dict[str, object] = {}   # what each module-level reference's module holds once tripwired
         self.reference_files: set[str] = set()
         self._in_hook = False
         self.calls: list[dict] = []        # id(obj) -> path for each call under way, innermost last
@@ -108,6 +111,10 @@ class Worker:
         if isinstance(obj, type):
             obj = obj.__dict__.get("__init__")
         fn = getattr(obj, "__func__", obj)
+        for _ in range(5):      # the function inside a cache or a decorator (lru_cache, torch.no_grad, wraps):
+            if getattr(fn, "__wrapped__", None) is None:      # the wrapper calls it, and its code is the reference's
+                break
+            fn = fn.__wrapped__
         if not isinstance(fn, types.FunctionType):
             return
         if copies.reference_tokens(target) is not None:      # distinctive: a copy proves something
@@ -116,12 +123,16 @@ class Worker:
         fn.__globals__[_STUB_GLOBAL] = self._tripped
         if not fn.__code__.co_freevars:
             fn.__code__ = _stub(target, self._tripped).__code__.replace(co_name=fn.__code__.co_name)
-        else:                  # a closure's code cannot be swapped: replace what its module holds
+        else:                  # a closure's code cannot be swapped (a method calling super()): replace what holds it
             module, _, qualname = target.partition(":")
-            if "." in qualname:
-                return
-            setattr(sys.modules[module], qualname, _stub(target, self._tripped))
+            owner_name, _, attr = qualname.rpartition(".")
+            owner = wire_resolve(f"{module}:{owner_name}") if owner_name else sys.modules[module]
+            stub = _stub(target, self._tripped)
+            held = owner.__dict__.get(attr) if isinstance(owner, type) else None
+            setattr(owner, attr, type(held)(stub) if isinstance(held, (staticmethod, classmethod)) else stub)
         self.tripwired[target] = (fn, target)
+        if "." not in target.partition(":")[2]:
+            self.held[target] = wire_resolve(target)
 
     def _tripped(self, target: str):
         try:
@@ -142,7 +153,8 @@ class Worker:
             if event == "compile" and isinstance(args[0], (str, bytes)) and len(args[0]) > 80:
                 source = args[0].decode(errors="replace") if isinstance(args[0], bytes) else args[0]
                 for target in self.tripwired:
-                    if f"def {target.rpartition(':')[2].split('.')[-1]}(" in source:
+                    *owners, name = target.rpartition(":")[2].split(".")
+                    if f"def {name}(" in source and all(f"class {owner}" in source for owner in owners):
                         self._report(f"source defining the reference {target} was compiled at run time")
         finally:
             self._in_hook = False
@@ -326,7 +338,6 @@ def serve(conn, trip_conn, capture_file: str, references: dict[str, str]) -> Non
         return
     new = [f for f in gc.get_objects() if isinstance(f, types.FunctionType) and id(f) not in before]
     late = worker.copies_in(c for f in new for c in _codes_of(f))
-    moved = [f"the reference {t} was replaced in its module" for t, (fn, _) in worker.tripwired.items()
-             if ":" in t and "." not in t.partition(":")[2]
-             and getattr(sys.modules.get(t.partition(":")[0]), t.partition(":")[2], fn) is not fn]
+    moved = [f"the reference {t} was replaced in its module" for t, held in worker.held.items()
+             if getattr(sys.modules.get(t.partition(":")[0]), t.partition(":")[2], held) is not held]
     worker.send("bye", sorted(set(late + moved + worker.findings)))

@@ -1,0 +1,132 @@
+"""The library functions that compute an answer, under any name: what checks name in ``@references``.
+
+``python -m rlcourse grade`` turns each reference of a check into a tripwire in the process that
+runs the learner's function (:mod:`rlcourse.tools.grade_worker`), so an answer that calls one, by
+any route, is reported. A reference is named here when it computes the answer (or a piece of it that
+the exercise asks for) for *some* choice of its arguments: lesson 08's Bradley-Terry loss on
+beta-scaled log-ratios is DPO's, SimPO's on log-ratios with a zero margin too. A check names the
+groups whose functions would pass it, minus those its exercise hands the learner (lesson 10c's step
+calls the course's ``per_token_loss``; lesson 11b's round calls ``dpo_sigmoid_loss``), plus its own
+module's reference helpers (the reference step or run it compares with).
+
+Tripwiring a function that composes others also trips every caller, so naming the pieces catches
+the trainers built on them; the trainers are named as well, so that a change of what they call
+cannot open a route. ``tests/test_grading_references.py`` checks that every name resolves, that each
+one fires under the grader, and that the cheats a learner could build from these routes are caught.
+"""
+from __future__ import annotations
+
+# -log sigmoid(a - b) per pair, in every form the library has: with a = beta log-ratio of the chosen answer
+# and b that of the rejected one it is DPO, with rewards it is Bradley-Terry.
+SIGMOID_PAIR_LOSSES = (
+    "rlcourse.losses.reward_model:bradley_terry_loss",      # on beta-scaled log-ratios: DPO
+    "rlcourse.losses.dpo:dpo_sigmoid_loss",
+    "rlcourse.losses.dpo:robust_dpo_loss",                  # label_smoothing = 0 is DPO
+    "rlcourse.losses.dpo:conservative_dpo_loss",            # label_smoothing = 0 is DPO
+    "rlcourse.losses.dpo:preference_loss",
+    "rlcourse.losses.beyond_dpo:simpo_loss",                # on log-ratios, gamma = 0: DPO; on rewards, gamma = margin: BT
+    "rlcourse.losses.beyond_dpo:rdpo_loss",                 # alpha = 0 is DPO
+    "rlcourse.losses.beyond_dpo:preference_objective",
+)
+# The log-ratio pieces of DPO's loss.
+DPO_PIECES = ("rlcourse.losses.dpo:dpo_logratio_margin", "rlcourse.losses.dpo:dpo_implicit_reward")
+# The course's preference trainers: a batch's loss, a run, a round of online DPO.
+PREFERENCE_TRAINERS = (
+    "rlcourse.lm.dpo:batch_loss", "rlcourse.lm.dpo:train_dpo",
+    "rlcourse.lm.seed_batched_dpo:seed_losses", "rlcourse.lm.seed_batched_dpo:train_dpo_seeds",
+    "rlcourse.lm.online_dpo:OnlineDPOTrainer.step", "rlcourse.lm.online_dpo:OnlineDPOTrainer.train",
+    "rlcourse.lm.online_dpo:OnlineDPOTrainer._update",
+)
+# Where a tabular policy fitted to preferences lands, computed rather than fitted.
+PREFERENCE_OPTIMA = (
+    "rlcourse.categorical_bandit:train_tabular_policy", "rlcourse.categorical_bandit:CategoricalBandit.optimal_logprobs",
+    "rlcourse.regularised_optimum:kl_regularised_optimum", "rlcourse.preference_optima:expected_preference_loss",
+    "rlcourse.preference_optima:minimise_expected_loss",
+)
+DPO_LOSS = SIGMOID_PAIR_LOSSES + DPO_PIECES + PREFERENCE_TRAINERS
+
+# A sampled batch's advantages, by group (GRPO), leave-one-out (RLOO), or as the trainer computes them.
+ADVANTAGES = (
+    "rlcourse.losses.grpo:group_advantages",
+    "rlcourse.losses.grpo:leave_one_out_advantages",        # = group_advantages(scale_rewards="none") * K / (K - 1)
+    "rlcourse.losses.grpo:batch_mean_advantages",
+    "rlcourse.lm.policy_gradient:advantages",
+    "rlcourse.lm.exact_oracle:_advantages",
+)
+# The policy-gradient losses: per token, aggregated, clipped, REINFORCE's, RLOO's, PPO-RLHF's.
+POLICY_GRADIENT_LOSSES = (
+    "rlcourse.losses.grpo:per_token_loss", "rlcourse.losses.grpo:aggregate_loss", "rlcourse.losses.grpo:rloo_loss",
+    "rlcourse.losses.grpo:importance_weights",
+    "rlcourse.losses.policy_gradient:reinforce_loss", "rlcourse.losses.policy_gradient:ppo_clip_loss",
+    "rlcourse.losses.policy_gradient:ppo_clip_objective", "rlcourse.losses.policy_gradient:importance_ratio",
+    "rlcourse.losses.policy_gradient:trajectory_importance_weight",
+    "rlcourse.lm.ppo_rlhf:ppo_rlhf_loss", "rlcourse.lm.ppo_rlhf:minibatch_loss",
+    "rlcourse.lm.trl_parity:rlcourse_grpo_loss",
+)
+# The course's policy-gradient trainer: its loss and its steps.
+POLICY_GRADIENT_TRAINER = (
+    "rlcourse.lm.policy_gradient:loss_and_stats",
+    "rlcourse.lm.policy_gradient:PolicyGradientTrainer._loss", "rlcourse.lm.policy_gradient:PolicyGradientTrainer.step",
+    "rlcourse.lm.policy_gradient:PolicyGradientTrainer.make_batch",
+    "rlcourse.lm.policy_gradient:PolicyGradientTrainer.train",
+    "rlcourse.lm.seed_batched:SeedBatchedPolicyGradientTrainer.losses",
+    "rlcourse.lm.seed_batched:SeedBatchedPolicyGradientTrainer.step",
+    "rlcourse.lm.seed_batched:SeedBatchedPolicyGradientTrainer.make_batch",
+    "rlcourse.lm.seed_batched:SeedBatchedPolicyGradientTrainer.train",
+)
+POLICY_GRADIENT_STEP = ADVANTAGES + POLICY_GRADIENT_LOSSES + POLICY_GRADIENT_TRAINER
+# The KL penalty of RLOO's reward, per token or summed.
+KL_PENALTY = ("rlcourse.kl:kl_k1", "rlcourse.lm.ppo_rlhf:kl_shaped_rewards")
+
+# PPO-RLHF's trainer: its rewards, advantages, loss and steps.
+PPO_RLHF_TRAINER = (
+    "rlcourse.lm.ppo_rlhf:PPORLHFTrainer.token_rewards", "rlcourse.lm.ppo_rlhf:PPORLHFTrainer.advantages",
+    "rlcourse.lm.ppo_rlhf:PPORLHFTrainer.loss", "rlcourse.lm.ppo_rlhf:PPORLHFTrainer.step",
+    "rlcourse.lm.ppo_rlhf:PPORLHFTrainer.train",
+    "rlcourse.lm.seed_batched_ppo:SeedBatchedPPORLHFTrainer.advantages",
+    "rlcourse.lm.seed_batched_ppo:SeedBatchedPPORLHFTrainer.losses",
+    "rlcourse.lm.seed_batched_ppo:SeedBatchedPPORLHFTrainer.loss",
+    "rlcourse.lm.seed_batched_ppo:SeedBatchedPPORLHFTrainer.step",
+)
+
+# Lesson 10c's off-policy corrections (its exercises hand out group_advantages, per_token_loss and aggregate_loss).
+OFF_POLICY_CORRECTIONS = (
+    "rlcourse.losses.off_policy:sampler_importance_weights", "rlcourse.losses.off_policy:off_policy_sequence_mask",
+    "rlcourse.lm.policy_gradient:attach_sampler_logprobs",
+)
+# An online-DPO round (lesson 11b's exercises hand out dpo_sigmoid_loss): the pairs and the trainers.
+ONLINE_DPO = ("rlcourse.losses.beyond_dpo:online_dpo_pairs",) + PREFERENCE_TRAINERS + (
+    "rlcourse.losses.beyond_dpo:preference_objective",)
+# Lesson 10b's strict judge of a filler-addition answer, and the rewards built on it.
+STRICT_FILLER_REWARD = (
+    "rlcourse.lm.tasks:FillerAdditionTask.is_right", "rlcourse.lm.tasks:FillerAdditionTask.reward",
+    "rlcourse.lm.verifiers:FillerVerifiers.is_right", "rlcourse.lm.verifiers:FillerVerifiers.answer_reward",
+    "rlcourse.lm.verifiers:FillerVerifiers.format_reward", "rlcourse.lm.verifiers:extract_answer",
+)
+
+# Each grading module's own reference helpers: the reference step, run or measurement its checks compare
+# with, which an answer could call as well. :func:`rlcourse.grading._core.references` adds them to every check
+# of the module, and those of the shared ``_steps.py`` (none yet: its machinery runs the learner's step and
+# computes no answer) to every check.
+REFERENCE_HELPERS = {
+    "_steps": (),
+    "lesson03": ("_episode_gradients",),
+    "lesson04": ("_batch_td_reference",),
+    "lesson06": ("_update_kl_reference",),
+    "lesson07b": ("_k3_through_exponentials",),
+    "lesson08": ("_reference_ppo_update", "_reference_ppo_losses"),
+    "lesson08b": ("_optimum_stats",),
+    "lesson09": ("_reference_rloo_step", "_reference_rloo_kl_step"),
+    "lesson10": ("_reference_update",),
+    "lesson10b": ("_reference", "_subsets_pass_at_k"),
+    "lesson10c": ("_reference_update", "_reference_run", "_variant_gradients", "_bounded"),
+    "lesson11": ("_reference_dpo_step", "optimum_of_the_data"),
+    "lesson11b": ("_online_round", "_reference_online_dpo", "_orpo_terms"),
+}
+
+
+def helpers_of(module: str) -> tuple[str, ...]:
+    """``"module:helper"`` for the reference helpers of the grading module ``module`` (``rlcourse.grading.lessonNN``)
+    and the shared ones of ``rlcourse.grading._steps``."""
+    shared = tuple(f"rlcourse.grading._steps:{name}" for name in REFERENCE_HELPERS["_steps"])
+    return tuple(f"{module}:{name}" for name in REFERENCE_HELPERS.get(module.rpartition(".")[2], ())) + shared
