@@ -166,6 +166,79 @@ def token_gae_over_the_first_positions(rewards, values, mask, gamma, lam):
     return out
 
 
+# ------------------------------------------------------------------ a reported result, not the thing measured (08-11b)
+def length_bias_reported(loss_type, seed):                # the lesson's curve, not the trained policy's table
+    from rlcourse.lm.length_bias import wrong_answer_lengths
+    return wrong_answer_lengths(loss_type, seed)
+
+
+def mismatch_accuracies_reported(start, tokenizer, settings):   # eight plausible accuracies, nothing trained
+    return [0.45, 0.44, 0.41, 0.46, 0.43, 0.44, 0.42, 0.45] if settings is None else [0.38] * 8
+
+
+def fit_dpo_closed_form(bandit, pairs, beta):            # pi* from the hidden reward: no comparison read
+    return torch.log_softmax(bandit.ref_logprobs + bandit.reward / beta, -1)
+
+
+def fit_simpo_closed_form(bandit, pairs, lengths, beta):
+    from rlcourse.preference_optima import simpo_optimum
+    return simpo_optimum(bandit.reward, lengths, beta)
+
+
+# ------------------------------------------------------------------ an input the check used to hold at one value
+def audit_with_the_lesson_gold_score(pairs, gold_score):
+    from rlcourse.lm.preference import PreferenceTask
+    gold = PreferenceTask().gold_score                     # the argument ignored
+
+    def share(values):
+        return float(np.mean([1.0 if v > 0 else 0.5 if v == 0 else 0.0 for v in values]))
+    return (share([gold(p["prompt"], p["chosen"]) - gold(p["prompt"], p["rejected"]) for p in pairs]),
+            share([len(p["chosen"]) - len(p["rejected"]) for p in pairs]))
+
+
+def completion_logprobs_without_grad(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    ids, attention = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    with torch.no_grad():                                  # right numbers; nothing for DPO's loss to differentiate
+        logits = model(input_ids=ids, attention_mask=attention,
+                       position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits
+    P = prompt_ids.shape[1]
+    token = torch.log_softmax(logits[:, P - 1:-1], -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    return token * completion_mask
+
+
+def ppo_losses_whitened_per_minibatch(policy, value_model, mb, cliprange=0.2, cliprange_value=0.2):
+    from rlcourse.lm import sequence_logprobs
+    from rlcourse.lm.value_model import token_values
+    from rlcourse.returns import whiten
+
+    mask = mb["completion_mask"]
+    real = mask.bool()
+    logprobs = sequence_logprobs(policy, mb["prompt_ids"], mb["completion_ids"], mask, mb["prompt_mask"])
+    values = token_values(value_model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mask)
+    ratio = torch.exp(logprobs - mb["logprobs"])
+    a = whiten(mb["advantages"], mask)                     # whitened again: a no-op only on the whole rollout
+    policy_loss = torch.maximum(-a * ratio, -a * ratio.clamp(1 - cliprange, 1 + cliprange))[real].mean()
+    moved = mb["values"] + (values - mb["values"]).clamp(-cliprange_value, cliprange_value)
+    value_loss = 0.5 * torch.maximum((values - mb["returns"]) ** 2, (moved - mb["returns"]) ** 2)[real].mean()
+    return policy_loss, value_loss
+
+
+def dpo_step_with_the_checkpoint_as_reference(model, ref_model, optimizer, batch, beta):
+    import torch.nn.functional as F
+    from rlcourse.lm import load_checkpoint, sequence_logprobs
+
+    ref_model = load_checkpoint("preference-sft", device="cpu")[0].eval()     # the argument ignored
+    args = (batch["prompt_ids"], batch["completion_ids"], batch["completion_mask"], batch["prompt_mask"])
+    chosen, rejected = sequence_logprobs(model, *args).sum(-1).chunk(2)
+    with torch.no_grad():
+        ref_chosen, ref_rejected = sequence_logprobs(ref_model, *args).sum(-1).chunk(2)
+    loss = -F.logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected))).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
 CATALOGUE = [
     ("an exponential that underflows under a log", "check_kl_k3", k3_log_of_exp),
     ("padding holding inf or nan", "check_aggregate_loss", aggregate_multiplies_by_the_mask),
@@ -190,6 +263,15 @@ CATALOGUE = [
     ("a result cut from the graph a later step differentiates", "check_score_at_last_token", score_detached),
     ("padding on one side only", "check_kl_shaped_rewards", kl_rewards_score_at_count),
     ("padding on one side only", "check_token_gae", token_gae_over_the_first_positions),
+    ("a reported result instead of the thing measured", "check_length_bias_experiment", length_bias_reported),
+    ("a reported result instead of the thing measured", "check_mismatch_run", mismatch_accuracies_reported),
+    ("a closed form from the hidden reward instead of a fit to the data", "check_fit_dpo_policy", fit_dpo_closed_form),
+    ("a closed form from the hidden reward instead of a fit to the data", "check_fit_simpo_policy",
+     fit_simpo_closed_form),
+    ("an input the check used to hold at one value", "check_audit_labels", audit_with_the_lesson_gold_score),
+    ("an input the check used to hold at one value", "check_completion_logprobs", completion_logprobs_without_grad),
+    ("an input the check used to hold at one value", "check_ppo_losses", ppo_losses_whitened_per_minibatch),
+    ("an input the check used to hold at one value", "check_dpo_step", dpo_step_with_the_checkpoint_as_reference),
 ]
 
 FAMILIES = {"an exponential that underflows under a log", "padding holding inf or nan",
@@ -198,4 +280,5 @@ FAMILIES = {"an exponential that underflows under a log", "padding holding inf o
             "the caller's model trained instead of a copy", "a count in the other library's unit",
             "float64 inputs answered in float32", "a result cut from the graph a later step differentiates",
             "a constant seed instead of the one given", "a fixed number of samples instead of the one given",
-            "padding on one side only"}
+            "padding on one side only", "a closed form from the hidden reward instead of a fit to the data",
+            "an input the check used to hold at one value"}

@@ -103,6 +103,7 @@ def eos_setup():
 
 
 def test_eos_experiment(eos_setup, capsys):
+    from rlcourse.lm import load_checkpoint
     from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer
     from rlcourse.lm.value_model import make_value_model
 
@@ -124,6 +125,9 @@ def test_eos_experiment(eos_setup, capsys):
     _fails(check_eos_experiment, lambda s, p: 0.9 if p else 0.1, match="return the policy")
     # training the reference model itself (the caller's policy) instead of a copy
     _fails(check_eos_experiment, lambda s, p: run(s, p, in_place=True), match="train a copy")
+    # `policy` ignored: the SFT checkpoint loaded again (the check hands over a policy of its own)
+    _fails(check_eos_experiment, lambda s, p: run(load_checkpoint("preference-sft", device="cpu")[0], p),
+           match="trained from the one handed over")
 
 
 def test_unfinished_exercises_raise_not_implemented():
@@ -250,6 +254,19 @@ def ppo_losses_ok(policy, value_model, mb, cliprange=0.2, cliprange_value=0.2, *
     if mistake == "detached critic":
         value_loss = value_loss.detach().requires_grad_()
     return policy_loss, value_loss
+
+
+def ppo_losses_whitened_again(policy, value_model, mb, cliprange=0.2, cliprange_value=0.2):
+    """Whitens the minibatch's advantages once more: a no-op on the whole rollout, not on a minibatch of it."""
+    from rlcourse.returns import whiten
+
+    return ppo_losses_ok(policy, value_model, {**mb, "advantages": whiten(mb["advantages"], mb["completion_mask"])},
+                         cliprange, cliprange_value)
+
+
+def test_a_minibatch_is_not_the_whole_rollout():
+    with pytest.raises(CheckFailed, match="a minibatch of 8 of a rollout's 24 completions"):
+        check_ppo_losses(ppo_losses_whitened_again)
 
 
 PPO_LOSSES_MISTAKES = ["critic over padding", "policy over padding", "no value clip", "value clip around the returns",

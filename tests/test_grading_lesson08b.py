@@ -195,6 +195,11 @@ def audit_gold_of_chosen_positive(pairs, gold_score):
     return gold, _shares(pairs, gold_score)[1]
 
 
+def audit_lesson_gold_score(pairs, gold_score):      # the argument ignored: lesson 08's gold score, always
+    from rlcourse.lm.preference import PreferenceTask
+    return _shares(pairs, PreferenceTask().gold_score)
+
+
 test_audit_right, test_audit_wrong = grading_tests(
     [(check_audit_labels, audit_ok), (check_audit_labels, audit_ok_numpy)],
     [(check_audit_labels, audit_ties_lose, "a tie counts one half"),
@@ -202,4 +207,5 @@ test_audit_right, test_audit_wrong = grading_tests(
      (check_audit_labels, audit_swapped, "compared with the rejected"),
      (check_audit_labels, audit_rejected_longer, "len(chosen) > len(rejected)"),
      (check_audit_labels, audit_ties_dropped, "a tie counts one half"),
-     (check_audit_labels, audit_gold_of_chosen_positive, "compared with the rejected")])
+     (check_audit_labels, audit_gold_of_chosen_positive, "compared with the rejected"),
+     (check_audit_labels, audit_lesson_gold_score, "another gold score")])

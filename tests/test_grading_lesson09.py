@@ -173,6 +173,9 @@ def rloo_kl_step_ok(model, optimizer, tokenizer, task, prompts, generator, K, re
     roll = sample(model, tokenizer, group, task.max_new_tokens, generator=generator)
     mask = roll.completion_mask
     logp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, mask, roll.prompt_mask)
+    if mistake == "the checkpoint as reference":             # ref_model ignored: the start loaded again
+        from rlcourse.lm import load_checkpoint
+        ref_model = load_checkpoint("addition-partial", device="cpu")[0]
     with torch.no_grad():
         ref = sequence_logprobs(model if mistake == "the policy as reference" else ref_model, roll.prompt_ids,
                                 roll.completion_ids, mask, roll.prompt_mask)
@@ -191,8 +194,8 @@ def rloo_kl_step_ok(model, optimizer, tokenizer, task, prompts, generator, K, re
     return float(task_rewards.mean())
 
 
-RLOO_KL_MISTAKES = ["penalty with its graph", "the policy as reference", "mean over tokens", "penalty added",
-                    "no penalty", "no zero_grad"]
+RLOO_KL_MISTAKES = ["penalty with its graph", "the policy as reference", "the checkpoint as reference",
+                    "mean over tokens", "penalty added", "no penalty", "no zero_grad"]
 
 
 test_rloo_kl_step_check, test_rloo_kl_step_check_catches = mistake_tests(
@@ -207,3 +210,16 @@ def loo_in_float32(rewards, K):                # .float() on everything: float64
 def test_a_float32_baseline_is_told_about_precision():
     with pytest.raises(CheckFailed, match="float32 keeps only about 7 digits"):
         check_leave_one_out_advantages(loo_in_float32)
+
+
+def test_an_unchanged_nan_is_not_a_mutation():
+    """NaN != NaN: an input holding NaN, left as it was, is not reported as written into."""
+    from rlcourse.grading.lesson09 import _call_unmutated
+
+    x = torch.tensor([1.0, float("nan"), 2.0])
+    assert _call_unmutated("check", "case", lambda t: t * 2, x).isnan().sum() == 1
+    with pytest.raises(CheckFailed, match="modified in place"):
+        _call_unmutated("check", "case", lambda t: t.nan_to_num_(0.0), x.clone())
+    with pytest.raises(CheckFailed, match="modified in place"):       # a NaN moved to another position is a change
+        _call_unmutated("check", "case", lambda t: t.copy_(t.flip(0)), torch.tensor([float("nan"), 1.0, 2.0]))
+

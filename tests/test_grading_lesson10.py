@@ -1,4 +1,6 @@
 """Lesson 10's checks pass reference answers and catch plausible wrong ones."""
+import functools
+
 import pytest
 from grading_asserts import assert_fails
 
@@ -153,11 +155,58 @@ def test_sequence_ratio_check_catches(wrong):
         check_sequence_ratio(wrong)
 
 
+def length_bias_run(loss_type, seed, *, aggregate_as=None, steps=60, seed_used=None):
+    """Exercise 4 as its text states it, with the course's loss pieces: the trained policy's logits."""
+    from rlcourse.lm.exact_oracle import EnumerablePolicy
+    from rlcourse.losses import aggregate_loss, per_token_loss
+
+    seed = seed if seed_used is None else seed_used
+    policy = EnumerablePolicy(vocab_size=3, max_len=6, seed=seed, init_scale=0.5)
+    ids, mask = policy.completions, policy.mask
+    right = ((ids[:, 0] == 1) & (ids[:, 1] == 0)).float()
+    optimizer = torch.optim.Adam(policy.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = policy.sample(128, gen)[0]
+        logp = policy.token_logprobs()[0, idx]
+        kind = aggregate_as or loss_type
+        loss = aggregate_loss(per_token_loss(logp, logp.detach(), group_advantages(right[idx], 8), mask[idx], kind),
+                              mask[idx], kind, 6)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return policy.logits
+
+
+def length_bias_reported(loss_type, seed):
+    """Trains nothing: the lesson's curve, as numbers (the exercise's earlier contract)."""
+    return wrong_answer_lengths(loss_type, seed)
+
+
+def length_bias_module(loss_type, seed):
+    """The trained module itself: the check asks for its table."""
+    from rlcourse.lm.exact_oracle import EnumerablePolicy
+    trained = length_bias_run(loss_type, seed)
+    policy = EnumerablePolicy(vocab_size=3, max_len=6, seed=seed, init_scale=0.5)
+    with torch.no_grad():
+        policy.logits.copy_(trained)
+    return policy
+
+
 def test_length_bias_experiment_check(capsys):
-    check_length_bias_experiment(wrong_answer_lengths)
-    assert "longer" in capsys.readouterr().out
-    with pytest.raises(CheckFailed):       # one aggregation for both: no gap
-        check_length_bias_experiment(lambda lt, s: wrong_answer_lengths("dapo", s))
+    check_length_bias_experiment(length_bias_run)
+    assert "longer under grpo" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (length_bias_reported, "return policy.logits"),
+    (length_bias_module, "return policy.logits"),
+    (functools.partial(length_bias_run, steps=0), "train the policy whose logits you return"),
+    (functools.partial(length_bias_run, aggregate_as="dapo"), "the normalisation is the experiment"),
+    (functools.partial(length_bias_run, seed_used=0), "the same policy twice"),
+], ids=["plausible-numbers", "a-module-not-its-logits", "untrained", "one-aggregation", "seed-ignored"])
+def test_length_bias_experiment_check_catches(wrong, hint):
+    assert_fails(check_length_bias_experiment, wrong, hint)
 
 
 # ------------------------------------------------------------------ the GRPO loss
@@ -301,7 +350,7 @@ def test_variant_losses_check_catches(mistake, hint):
 # ------------------------------------------------------------------ one GRPO step
 def grpo_step_ok(model, optimizer, tokenizer, task, prompts, generator, K=8, loss_type="dapo", epsilon=0.2,
                  epsilon_high=None, *, tile=False, batch_advantages=False, zero_grad=True, sampler_logprobs=False,
-                 flip=False, normaliser=None, step_first=False):
+                 flip=False, normaliser=None, step_first=False, budget_from_width=False):
     """A correct step written another way (a loop over groups); each keyword turns one mistake on."""
     group = list(prompts) * K if tile else [p for p in prompts for _ in range(K)]
     roll = sample(model, tokenizer, group, task.max_new_tokens, generator=generator)
@@ -313,8 +362,9 @@ def grpo_step_ok(model, optimizer, tokenizer, task, prompts, generator, K=8, los
     logp = sequence_logprobs(model, roll.prompt_ids, roll.completion_ids, roll.completion_mask, roll.prompt_mask)
     if sampler_logprobs:
         logp = roll.logprobs.clone().requires_grad_()
+    budget = roll.completion_mask.shape[1] if budget_from_width else task.max_new_tokens
     loss = grpo_loss_ok(logp, roll.logprobs, None, adv, roll.completion_mask, normaliser or loss_type, epsilon,
-                        epsilon_high, 0.0, task.max_new_tokens)
+                        epsilon_high, 0.0, budget)
     if flip:
         loss = -loss
     if step_first:
@@ -335,6 +385,7 @@ GRPO_STEP_MISTAKES = {
     "gradient ascent on the loss": dict(flip=True),
     "always the sequence mean": dict(normaliser="grpo"),
     "step before backward": dict(step_first=True),
+    "dr_grpo's constant from the batch's padded width, not the budget": dict(budget_from_width=True),
 }
 
 
@@ -354,12 +405,13 @@ def test_grpo_step_check_catches(mistake):
 # ------------------------------------------------------------------ find the bug: the temperature
 def grpo_update_ok(model, optimizer, tokenizer, task, prompts, generator, K=8, temperature=0.7, iterations=2,
                    epsilon=0.2, *, score_at=None, sample_at=None, old_at=None, zero_grad=True, loops=None,
-                   share_over_padding=False, flip=False):
+                   share_over_padding=False, flip=False, epsilon_as=None, groups_of=None):
     """The fixed update; each keyword turns one mistake on (``score_at=1.0`` is the bug as shipped)."""
+    epsilon = epsilon if epsilon_as is None else epsilon_as
     group = [p for p in prompts for _ in range(K)]
     t_sample = temperature if sample_at is None else sample_at
     roll = sample(model, tokenizer, group, task.max_new_tokens, temperature=t_sample, generator=generator)
-    adv = group_advantages(task.reward(group, roll.completions).float(), K)
+    adv = group_advantages(task.reward(group, roll.completions).float(), K if groups_of is None else groups_of)
     mask = roll.completion_mask
     old = roll.logprobs
     if old_at is not None:
@@ -391,6 +443,8 @@ GRPO_UPDATE_MISTAKES = {
     "one step, whatever num_iterations says": dict(loops=1),
     "the share counted over padding too": dict(share_over_padding=True),
     "gradient ascent": dict(flip=True),
+    "epsilon held at 0.2": dict(epsilon_as=0.2),
+    "groups of 8 whatever num_generations says": dict(groups_of=8),
 }
 
 

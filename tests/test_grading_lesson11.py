@@ -1,4 +1,7 @@
 """Lesson 11's checks pass the reference answers and catch each plausible wrong answer."""
+import functools
+
+import pytest
 
 import rlcourse  # noqa: F401  (before torch)
 import torch
@@ -7,6 +10,7 @@ import torch.nn.functional as F
 from grading_asserts import grading_tests, mistake_tests
 from rlcourse.grading.lesson11 import (check_completion_logprobs, check_dpo_loss, check_dpo_step, check_fit_dpo_policy,
                                        check_implicit_reward, check_ipo_loss)
+from rlcourse.grading import CheckFailed
 from rlcourse.lm import sequence_logprobs
 from rlcourse.categorical_bandit import train_tabular_policy
 
@@ -165,11 +169,35 @@ def fit_reference(bandit, pairs, beta):
     return bandit.ref_logprobs.clone()
 
 
+def fit_lbfgs(bandit, pairs, beta):               # another optimiser, in float64 throughout
+    logits = bandit.ref_logprobs.clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([logits], lr=1, max_iter=200, tolerance_grad=1e-12, line_search_fn="strong_wolfe")
+    p, w, l = pairs["prompt"], pairs["chosen"], pairs["rejected"]
+    ref = bandit.ref_logprobs
+
+    def closure():
+        logp = torch.log_softmax(logits, -1)
+        loss = -F.logsigmoid(beta * ((logp[p, w] - ref[p, w]) - (logp[p, l] - ref[p, l]))).mean()
+        opt.zero_grad()
+        loss.backward()
+        return loss
+    opt.step(closure)
+    return torch.log_softmax(logits.detach(), -1)
+
+
+def fit_closed_form(bandit, pairs, beta):         # reads no comparison: pi* from the hidden reward
+    return torch.log_softmax(bandit.ref_logprobs + bandit.reward / beta, -1)
+
+
+def fit_closed_form_by_the_library(bandit, pairs, beta):
+    return bandit.optimal_logprobs(beta)
+
+
 RIGHT = [
     (check_dpo_loss, dpo_ok), (check_dpo_loss, dpo_ok_softplus),
     (check_implicit_reward, reward_ok),
     (check_ipo_loss, ipo_ok),
-    (check_fit_dpo_policy, fit_ok), (check_fit_dpo_policy, fit_own_loop),
+    (check_fit_dpo_policy, fit_ok), (check_fit_dpo_policy, fit_own_loop), (check_fit_dpo_policy, fit_lbfgs),
 ]
 
 WRONG = [
@@ -199,6 +227,8 @@ WRONG = [
     (check_fit_dpo_policy, fit_wrong_beta, "KL"),
     (check_fit_dpo_policy, fit_returns_logits, "log_softmax"),
     (check_fit_dpo_policy, fit_reference, "never left"),
+    (check_fit_dpo_policy, fit_closed_form, "not a fit to these comparisons"),
+    (check_fit_dpo_policy, fit_closed_form_by_the_library, "computed from the bandit's reward"),
 ]
 
 test_right_answers_pass, test_wrong_answers_fail_with_a_hint = grading_tests(RIGHT, WRONG)
@@ -213,6 +243,9 @@ def dpo_step_ok(model, ref_model, optimizer, batch, beta, *, mistake=None):
     chosen, rejected = seq.chunk(2)
     if mistake == "swapped":
         chosen, rejected = rejected, chosen
+    if mistake == "the checkpoint as reference":         # ref_model ignored: the start loaded again
+        from rlcourse.lm import load_checkpoint
+        ref_model = load_checkpoint("preference-sft", device="cpu")[0]
     with torch.no_grad():
         ref_chosen, ref_rejected = sequence_logprobs(model if mistake == "policy as reference" else ref_model,
                                                      *args).sum(-1).chunk(2)
@@ -228,8 +261,8 @@ def dpo_step_ok(model, ref_model, optimizer, batch, beta, *, mistake=None):
     return loss.item()
 
 
-DPO_STEP_MISTAKES = ["token mean", "swapped", "policy as reference", "no reference", "beta left out",
-                     "sum over pairs", "no zero_grad"]
+DPO_STEP_MISTAKES = ["token mean", "swapped", "policy as reference", "the checkpoint as reference", "no reference",
+                     "beta left out", "sum over pairs", "no zero_grad"]
 
 
 test_dpo_step_check, test_dpo_step_check_catches = mistake_tests(
@@ -238,10 +271,16 @@ test_dpo_step_check, test_dpo_step_check_catches = mistake_tests(
 
 # ------------------------------------------------------------------ find the bug: completion log-probs
 def completion_logprobs_ok(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, mistake=None):
+    if mistake == "the checkpoint, not the model given":
+        from rlcourse.lm import load_checkpoint
+        model = load_checkpoint("preference-sft", device="cpu")[0].eval()
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
     positions = None if mistake == "default positions" else (attention_mask.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+    with torch.set_grad_enabled(mistake != "under no_grad"):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+    if mistake == "detached":
+        logits = logits.detach()
     P = prompt_ids.shape[1]
     window = logits[:, P:] if mistake == "the shipped off-by-one" else logits[:, P - 1:-1]
     if mistake == "probabilities":
@@ -260,7 +299,13 @@ def completion_logprobs_ok(model, prompt_ids, prompt_mask, completion_ids, compl
 
 
 COMPLETION_MISTAKES = ["the shipped off-by-one", "default positions", "probabilities",
-                       "log-softmax summed over the vocabulary", "padding kept", "log-softmax over the positions"]
+                       "log-softmax summed over the vocabulary", "padding kept", "log-softmax over the positions",
+                       "under no_grad", "detached", "the checkpoint, not the model given"]
+
+
+def test_log_probs_without_a_graph_are_told_so():
+    with pytest.raises(CheckFailed, match="without torch.no_grad"):
+        check_completion_logprobs(functools.partial(completion_logprobs_ok, mistake="under no_grad"))
 
 
 test_completion_logprobs_check, test_completion_logprobs_check_catches = mistake_tests(

@@ -485,10 +485,29 @@ def fit_simpo_too_few_steps(bandit, pairs, lengths, beta):
     return _fit_simpo(bandit, pairs, lengths, beta, steps=5)
 
 
-FIT_WRONG = [(check_fit_simpo_policy, fit_simpo_keeps_reference, "nearest to pi* = pi_ref"),
+def fit_simpo_closed_form(bandit, pairs, lengths, beta):      # reads no comparison: the hidden reward's optimum
+    from rlcourse.preference_optima import simpo_optimum
+    return simpo_optimum(bandit.reward, lengths, beta)
+
+
+def fit_simpo_closed_form_by_hand(bandit, pairs, lengths, beta):
+    """log pi = |y| (r / beta + c), c found by bisection so that each row sums to 1: typed from the lesson."""
+    u, L = bandit.reward / beta, lengths.expand_as(bandit.reward)
+    lo, hi = torch.full((bandit.n_prompts, 1), -50.0, dtype=torch.float64), torch.full((bandit.n_prompts, 1), 50.0,
+                                                                                       dtype=torch.float64)
+    for _ in range(200):
+        c = (lo + hi) / 2
+        over = torch.logsumexp(L * (u + c), -1, keepdim=True) > 0
+        hi, lo = torch.where(over, c, hi), torch.where(over, lo, c)
+    return torch.log_softmax(L * (u + (lo + hi) / 2), -1)
+
+
+FIT_WRONG = [(check_fit_simpo_policy, fit_simpo_keeps_reference, "nearest to the fit with the reference kept"),
              (check_fit_simpo_policy, fit_simpo_without_lengths, "every length 1"),
-             (check_fit_simpo_policy, fit_simpo_with_a_margin, "KL(pi_fit || SimPO's optimum) < 0.01"),
-             (check_fit_simpo_policy, fit_simpo_swapped, "KL(pi_fit || SimPO's optimum) < 0.01"),
+             (check_fit_simpo_policy, fit_simpo_with_a_margin, "the policy these comparisons imply under SimPO"),
+             (check_fit_simpo_policy, fit_simpo_swapped, "the policy these comparisons imply under SimPO"),
+             (check_fit_simpo_policy, fit_simpo_closed_form, "not a fit to these comparisons"),
+             (check_fit_simpo_policy, fit_simpo_closed_form_by_hand, "computed from the bandit's reward"),
              (check_fit_simpo_policy, fit_simpo_returns_logits, "exp sums to 1"),
              (check_fit_simpo_policy, fit_simpo_too_few_steps, "where the policy started")]
 test_fit_right_answers_pass, test_fit_wrong_answers_fail_with_a_hint = grading_tests(
@@ -502,6 +521,11 @@ def step_ok(model, ref_model, optimizer, tokenizer, prompts, reward_fn, generato
     group = [p for p in prompts for _ in range(num_generations)]
     if mistake == "prompts interleaved":
         group = list(prompts) * num_generations
+    if mistake == "the task's budget, not max_new_tokens":
+        max_new_tokens = 8
+    if mistake == "the checkpoint as reference":           # ref_model ignored: the start loaded again
+        from rlcourse.lm import load_checkpoint
+        ref_model = load_checkpoint("preference-sft", device="cpu")[0].eval()
     roll = sample(model, tokenizer, group, max_new_tokens, generator=generator,
                   temperature=1.0 if mistake == "sampled at temperature 1" else temperature)
     scores = torch.as_tensor(reward_fn(group, roll.completions), dtype=torch.float32)
@@ -537,7 +561,8 @@ def step_ok(model, ref_model, optimizer, tokenizer, prompts, reward_fn, generato
 ONLINE_STEP_MISTAKES = ["prompts interleaved", "sampled at temperature 1", "pairs across prompts",
                         "log-probs at the sampling temperature", "token mean", "reference with grad",
                         "policy as reference", "pairs by implicit reward", "swapped", "update without pairs",
-                        "sum over pairs", "no zero_grad"]
+                        "sum over pairs", "no zero_grad", "the task's budget, not max_new_tokens",
+                        "the checkpoint as reference"]
 
 
 test_online_dpo_step_check, test_online_dpo_step_check_catches = mistake_tests(
@@ -547,13 +572,16 @@ test_online_dpo_step_check, test_online_dpo_step_check_catches = mistake_tests(
 # --- find the bug: rounds of online DPO against a reference that must stay put ---------------------
 
 def train_ok(model, optimizer, tokenizer, prompt_batches, reward_fn, generator, num_generations=2, beta=0.1,
-             max_new_tokens=8, *, mistake=None):
+             max_new_tokens=8, ref_model=None, *, mistake=None):
     reference = model if mistake == "alias" else frozen_copy(model)
+    if ref_model is not None and mistake != "ref_model ignored":
+        reference = ref_model
+    max_new_tokens = 8 if mistake == "the task's budget, not max_new_tokens" else max_new_tokens
     logs = []
     for r, prompts in enumerate(prompt_batches):
         group = [p for p in prompts for _ in range(num_generations)]
         if mistake == "the shipped bug" or (mistake == "refreshed every other round" and r % 2 == 0):
-            reference = frozen_copy(model)
+            reference = ref_model if ref_model is not None and mistake == "the shipped bug" else frozen_copy(model)
         roll = sample(reference if mistake == "sampled from the reference" else model, tokenizer, group, max_new_tokens,
                       generator=generator)
         scores = torch.as_tensor(reward_fn(group, roll.completions), dtype=torch.float32)
@@ -578,7 +606,8 @@ def train_ok(model, optimizer, tokenizer, prompt_batches, reward_fn, generator, 
 
 
 ONLINE_RUN_MISTAKES = ["the shipped bug", "refreshed every other round", "alias", "sampled from the reference",
-                       "own log-probs detached", "reference dropped", "kl reversed"]
+                       "own log-probs detached", "reference dropped", "kl reversed",
+                       "the task's budget, not max_new_tokens", "ref_model ignored"]
 test_train_online_dpo_check, test_train_online_dpo_check_catches = mistake_tests(
     check_train_online_dpo, train_ok, ONLINE_RUN_MISTAKES, "match the reference's gradients and logs")
 
@@ -622,10 +651,10 @@ def test_online_dpo_step_check_accepts_a_round_written_otherwise(capsys):
 
 
 def train_ok_with_a_step(model, optimizer, tokenizer, prompt_batches, reward_fn, generator, num_generations=2,
-                         beta=0.1, max_new_tokens=8):
+                         beta=0.1, max_new_tokens=8, ref_model=None):
     """Written otherwise: the reference a deep copy made before the loop; each round calls a step function
     (the step above), and the KL is measured after the round from the log-probs the round saw."""
-    reference = copy.deepcopy(model).requires_grad_(False)
+    reference = copy.deepcopy(model).requires_grad_(False) if ref_model is None else ref_model
     logs = []
     for prompts in prompt_batches:
         group = [p for p in prompts for _ in range(num_generations)]

@@ -13,7 +13,7 @@ import torch
 
 from rlcourse.grading._core import fail
 
-__all__ = ["addition_start", "train_from_addition", "RecordingSGD", "twin_runs", "assert_same_gradient",
+__all__ = ["addition_start", "moved_copy", "train_from_addition", "RecordingSGD", "twin_runs", "assert_same_gradient",
            "assert_call_gradient", "relative_gap",
            "check_sampling_step"]
 
@@ -25,6 +25,21 @@ def addition_start():
 
     start, tokenizer = load_checkpoint("addition-partial", device="cpu")
     return AdditionTask(), start.eval(), tokenizer
+
+
+def moved_copy(model: torch.nn.Module, seed: int, scale: float = 0.02) -> torch.nn.Module:
+    """A copy of ``model`` with seeded Gaussian noise of std ``scale`` added to every parameter.
+
+    What a check hands over where a shipped checkpoint would do (a policy, a reference model): an answer
+    that loads the checkpoint again instead of using the model it was given is then seen."""
+    import copy
+
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for p in out.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return out
 
 
 class RecordingSGD(torch.optim.Optimizer):
@@ -153,23 +168,31 @@ def check_sampling_step(name: str, fn, reference, settings: list, learning: dict
     and ``reference`` (same signature; it returns ``(mean reward, ...)``). For each ``(label, extra)`` of
     ``settings``: two calls (``call_prompts`` x ``call_completions``) from the same weights and generator seed
     as the reference's, each call's gradient compared (:func:`assert_same_gradient`, ``otherwise`` for
-    another direction). Then
+    another direction). A setting ``(label, extra, options)`` may change, for its calls alone, the number
+    of ``prompts`` or ``completions`` per prompt, or the task's completion budget ``max_new_tokens`` (a
+    budget no completion fills tells ``task.max_new_tokens`` from the batch's padded width). Then
     ``learning["steps"]`` calls with Adam (``lr``, ``groups`` prompts x ``num_generations``, ``extra``)
     must raise greedy exact match on ``held_out`` prompts by ``margin``.
     """
     __tracebackhide__ = True
+    import copy
+
     import numpy as np
 
     task, start, tokenizer = addition_start()
-    K = call_completions
-    for case, extra in settings:
+    for case, extra, *options in settings:
+        options = options[0] if options else {}
+        K, N, here = options.get("completions", call_completions), options.get("prompts", call_prompts), task
+        if "max_new_tokens" in options:
+            here = copy.copy(task)
+            here.max_new_tokens = options["max_new_tokens"]
         mine, theirs, opt_mine, opt_theirs = twin_runs(start, lr=0.05)
         gen_mine, gen_theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
         for call in (0, 1):                      # the second call starts from the weights the first one moved
-            prompts = task.prompts(call_prompts, rng=30 + call)
-            reward = fn(mine, opt_mine, tokenizer, task, list(prompts), gen_mine, K, *extra)
-            expected_reward = reference(theirs, opt_theirs, tokenizer, task, prompts, gen_theirs, K, *extra)[0]
-            label = f"{case}, {K} completions per prompt, call {call + 1}"
+            prompts = here.prompts(N, rng=30 + call)
+            reward = fn(mine, opt_mine, tokenizer, here, list(prompts), gen_mine, K, *extra)
+            expected_reward = reference(theirs, opt_theirs, tokenizer, here, prompts, gen_theirs, K, *extra)[0]
+            label = f"{case}, {N} prompts x {K} completions, call {call + 1}"
             if reward is None or abs(float(reward) - expected_reward) > 1e-6:
                 fail(name, label, f"mean reward {expected_reward:.4f} of the completions drawn", reward,
                      "draw the completions once per call: each prompt num_generations times in a row "

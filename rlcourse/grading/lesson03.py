@@ -195,6 +195,7 @@ def _episode_gradients(env, theta, n_episodes, seed, use_baseline):
     return softmax_score_gradients(theta, batch, G * returns.discount_weights(batch.mask, 0.9))
 
 
+@references()
 def check_baseline_variance(fn) -> None:
     """``fn(env, theta, n_episodes, use_baseline, seed) -> (mean_gradient, variance)``: a measurement.
 

@@ -17,6 +17,7 @@ import torch
 
 from rlcourse.grading._core import (assert_close, call_unmutated, fail, fail_if_mistake, gradient_flowing, passed,
                                     references, to_numpy)
+from rlcourse.grading._routes import DPO_PIECES, PPO_RLHF_TRAINER, SIGMOID_PAIR_LOSSES
 from rlcourse.grading.lesson07b import kept_float64
 
 __all__ = ["check_bradley_terry_loss", "check_score_at_last_token", "check_kl_shaped_rewards",
@@ -36,8 +37,7 @@ def _unchanged(name, case, before, after):
 
 # DPO's sigmoid loss with zero reference log-probs and beta = 1 is the Bradley-Terry loss per pair
 # (preference_loss averages it): calling either is not writing the loss.
-@references("rlcourse.losses.reward_model:bradley_terry_loss", "rlcourse.losses.dpo:dpo_sigmoid_loss",
-            "rlcourse.losses.dpo:preference_loss")
+@references(*SIGMOID_PAIR_LOSSES, *DPO_PIECES)
 def check_bradley_terry_loss(fn) -> None:
     """``fn(rewards_chosen, rewards_rejected, margin=None) -> scalar``: ``-mean log sigmoid(r_w - r_l - m)``.
 
@@ -187,7 +187,8 @@ def check_score_at_last_token(fn) -> None:
     passed(name, len(cases))
 
 
-@references("rlcourse.lm.ppo_rlhf:kl_shaped_rewards")
+@references("rlcourse.lm.ppo_rlhf:kl_shaped_rewards", "rlcourse.lm.ppo_rlhf:PPORLHFTrainer.token_rewards",
+            "rlcourse.kl:kl_k1")
 def check_kl_shaped_rewards(fn) -> None:
     """``fn(scores, logprobs, ref_logprobs, mask, kl_coef) -> (B, T)``: ``-kl_coef * k1_t`` plus the score at the last real token.
 
@@ -244,7 +245,9 @@ def check_kl_shaped_rewards(fn) -> None:
     passed(name, len(cases))
 
 
-@references("rlcourse.returns:gae", "rlcourse.returns:gae_from_n_step", "rlcourse.lm.ppo_rlhf:advantages_and_returns")
+@references("rlcourse.returns:gae", "rlcourse.returns:gae_from_n_step", "rlcourse.returns:td_residuals",
+            "rlcourse.lm.ppo_rlhf:advantages_and_returns", "rlcourse.lm.ppo_rlhf:PPORLHFTrainer.advantages",
+            "rlcourse.lm.seed_batched_ppo:SeedBatchedPPORLHFTrainer.advantages")
 def check_token_gae(fn) -> None:
     """``fn(rewards, values, mask, gamma, lam) -> (B, T)``: GAE over each row's real tokens, terminal after the last.
 
@@ -303,31 +306,50 @@ def _finished_share(policy, n_prompts: int = 128) -> float:
     return float(rollout.finished.float().mean())
 
 
+@references()
 def check_eos_experiment(fn) -> None:
     """``fn(policy, missing_eos_penalty) -> trained policy``: a short PPO run with ``response_length=5``
-    from a copy of ``policy`` (the SFT checkpoint, handed over by the check).
+    from a copy of ``policy`` (an SFT policy, handed over by the check).
 
     Judged by what the returned policies do, measured here on 128 test prompts with the check's own
     generator (a reported number could be anything): with the penalty at least 0.3 more of their
-    completions must end with ``<eos>`` than without it. The policy handed over must come back
-    unchanged: it is the reference model, which the caller still needs.
+    completions must end with ``<eos>`` than without it. The policy handed over is the ``preference-sft``
+    checkpoint moved a little by seeded noise, so that a run that loads the checkpoint itself instead of
+    copying ``policy`` is seen (the returned weights are nearer the checkpoint than the policy given). It
+    must come back unchanged: it is the reference model, which the caller still needs.
     """
     __tracebackhide__ = True
+    import copy
+
+    from rlcourse.grading._steps import moved_copy
     from rlcourse.lm import load_checkpoint
 
     name = "check_eos_experiment"
+
+    def flat(model):
+        return torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
+
+    sft, _ = load_checkpoint("preference-sft", device="cpu")
+    start = moved_copy(sft, seed=3, scale=0.01)   # the same start for both runs: the comparison stays paired
+    checkpoint, handed = flat(sft), flat(start)
     shares = {}
     for penalty in (None, 1.0):
         label = f"missing_eos_penalty={penalty}"
-        start, _ = load_checkpoint("preference-sft", device="cpu")
-        before = [p.detach().clone() for p in start.parameters()]
-        trained = fn(start, penalty)
+        policy = copy.deepcopy(start)
+        trained = fn(policy, penalty)
         if not isinstance(trained, torch.nn.Module) or not hasattr(trained, "get_input_embeddings"):
             fail(name, label, "the trained policy (a causal LM)", f"{type(trained).__name__} {trained!r:.60}",
                  "return the policy the trainer updated (trainer.policy), not a number: the check measures it")
-        if not all(torch.equal(a, b.detach()) for a, b in zip(before, start.parameters())):
+        if not torch.equal(flat(policy), handed):
             fail(name, label, "the policy handed over left unchanged", "its weights were trained",
                  "train a copy (copy.deepcopy(policy)): the policy you are given is the reference model")
+        weights = flat(trained)
+        from_handed, from_checkpoint = float((weights - handed).norm()), float((weights - checkpoint).norm())
+        if weights.shape != handed.shape or not from_handed < from_checkpoint:
+            fail(name, label, "a policy trained from the one handed over",
+                 f"a policy {from_checkpoint:.2f} from the preference-sft checkpoint and {from_handed:.2f} from the "
+                 f"policy handed over", "train a copy of the policy you are given (copy.deepcopy(policy)), not a "
+                 "checkpoint loaded again: the check hands over a policy of its own")
         shares[penalty] = _finished_share(trained.cpu().eval())
     if not shares[1.0] >= shares[None] + 0.3:
         fail(name, "the measured effect of the EOS trick", "with the penalty at least 0.3 more completions end",
@@ -399,9 +421,12 @@ PPO_SETTINGS = [(0.05, 0.95, 0.2, 0.2, 0.1), (0.2, 1.0, 0.1, 0.05, 0.5)]
 PPO_LEARNING = {"iterations": 30, "epochs": 2, "batch": 64, "lr": 1e-4, "held_out": 300, "margin": 0.05}
 
 
-@references("rlcourse.lm.ppo_rlhf:ppo_rlhf_loss",
-            "rlcourse.lm.ppo_rlhf:advantages_and_returns", "rlcourse.lm.ppo_rlhf:kl_shaped_rewards",
-            "rlcourse.losses.policy_gradient:ppo_clip_loss", "rlcourse.losses.policy_gradient:value_loss")
+@references("rlcourse.lm.ppo_rlhf:kl_shaped_rewards", "rlcourse.lm.ppo_rlhf:advantages_and_returns",
+            "rlcourse.returns:gae", "rlcourse.returns:gae_from_n_step", "rlcourse.returns:td_residuals",
+            "rlcourse.kl:kl_k1", "rlcourse.lm.ppo_rlhf:ppo_rlhf_loss", "rlcourse.lm.ppo_rlhf:minibatch_loss",
+            "rlcourse.losses.policy_gradient:ppo_clip_loss", "rlcourse.losses.policy_gradient:ppo_clip_objective",
+            "rlcourse.losses.policy_gradient:importance_ratio", "rlcourse.losses.policy_gradient:value_loss",
+            *PPO_RLHF_TRAINER)
 def check_ppo_update(fn) -> None:
     """``fn(policy, value_model, optimizer, batch, kl_coef, lam, cliprange, cliprange_value, vf_coef) -> loss``:
     one PPO-RLHF gradient step on a rollout batch. Checked by the gradient (policy and critic) two calls
@@ -476,12 +501,17 @@ def _reference_ppo_losses(policy, value_model, mb, cliprange, cliprange_value):
             value_loss(values, mb["returns"], mb["values"], clip_coef=cliprange_value, mask=m))
 
 
-@references("rlcourse.lm.ppo_rlhf:ppo_rlhf_loss", "rlcourse.losses.policy_gradient:ppo_clip_loss",
-            "rlcourse.losses.policy_gradient:value_loss")
+@references("rlcourse.lm.ppo_rlhf:ppo_rlhf_loss", "rlcourse.lm.ppo_rlhf:minibatch_loss",
+            "rlcourse.losses.policy_gradient:ppo_clip_loss", "rlcourse.losses.policy_gradient:ppo_clip_objective",
+            "rlcourse.losses.policy_gradient:importance_ratio", "rlcourse.losses.policy_gradient:value_loss",
+            "rlcourse.lm.ppo_rlhf:PPORLHFTrainer.loss",
+            "rlcourse.lm.seed_batched_ppo:SeedBatchedPPORLHFTrainer.losses",
+            "rlcourse.lm.seed_batched_ppo:SeedBatchedPPORLHFTrainer.loss")
 def check_ppo_losses(fn) -> None:
     """``fn(policy, value_model, minibatch, cliprange, cliprange_value) -> (policy_loss, value_loss)``: the
     fixed find-the-bug function. Both losses and their gradients (policy and critic) are compared with
-    the reference's on minibatches of ragged completions, after the models have moved from the rollout."""
+    the reference's on minibatches of ragged completions (a third of a rollout, its advantages whitened over
+    the whole rollout), after the models have moved from the rollout."""
     __tracebackhide__ = True
     import copy
 
@@ -496,9 +526,14 @@ def check_ppo_losses(fn) -> None:
         m = batch["completion_mask"]
         rewards, _ = kl_shaped_rewards(batch["scores"], batch["logprobs"], batch["ref_logprobs"], m, 0.05)
         batch["advantages"], batch["returns"] = advantages_and_returns(rewards, batch["values"], m, 1.0, 0.95)
+        # A minibatch of a third of the rollout, as PPO's epochs take it: its advantages were whitened over
+        # the whole batch, so they are not whitened over the minibatch (mean 0, std 1) themselves.
+        rows = torch.arange(i, 24, 3)
+        batch = {k: v[rows] for k, v in batch.items()}
+        m = batch["completion_mask"]
         padding = 1 - float(m.float().mean())
-        case = (f"24 completions of lengths {sorted(set(m.sum(1).tolist()))} ({padding:.0%} of the positions are "
-                f"padding), cliprange={clip}, cliprange_value={clip_v}")
+        case = (f"a minibatch of 8 of a rollout's 24 completions, of lengths {sorted(set(m.sum(1).tolist()))} "
+                f"({padding:.0%} of the positions are padding), cliprange={clip}, cliprange_value={clip_v}")
         models = []
         for _ in range(2):                     # both sides start from the same moved weights: the clips act
             policy, value_model = copy.deepcopy(start), copy.deepcopy(critic)

@@ -83,7 +83,8 @@ def _optimum_stats(ref_probs, gold, proxy, kl_coef):
     return float(exact_kl(logp, ref_probs.log())), float(logp.exp() @ gold)
 
 
-@references("rlcourse.lm.overoptimisation:optimum_curve")
+@references("rlcourse.lm.overoptimisation:optimum_curve", "rlcourse.regularised_optimum:kl_regularised_optimum",
+            "rlcourse.categorical_bandit:CategoricalBandit.optimal_logprobs", "rlcourse.kl:exact_kl")
 def check_optimum_stats(fn) -> None:
     """``fn(ref_probs, gold, proxy, kl_coef) -> (kl, gold_mean)`` for one prompt: with
     ``pi* = kl_regularised_optimum(log ref_probs, proxy, kl_coef)``, ``kl = KL(pi* || pi_ref)`` in nats and
@@ -143,9 +144,14 @@ def check_audit_labels(fn) -> None:
         ("400 pairs of raters with a length bias", PreferenceTask(length_bias=0.35).preference_pairs(400, rng=8)),
         ("400 pairs of lesson 08's raters", task.preference_pairs(400, rng=9)),
     ]
-    for case, pairs in cases:
-        got = call_unmutated(name, case, fn, pairs, task.gold_score)
-        expected = audit_labels(pairs, task.gold_score)
+    cases = [(case, pairs, task.gold_score) for case, pairs in cases]
+    # The gold score is an argument: judged by another one (a task whose best answers have 2 letters), the
+    # same labels agree less often.
+    cases.append(("the 400 pairs of lesson 08's raters, audited against another gold score (best length 2)",
+                  task.preference_pairs(400, rng=9), PreferenceTask(target_length=2).gold_score))
+    for case, pairs, gold_score in cases:
+        got = call_unmutated(name, case, fn, pairs, gold_score)
+        expected = audit_labels(pairs, gold_score)
         try:
             gold_got, longer_got = (float(x) for x in got)
         except (TypeError, ValueError):

@@ -18,22 +18,21 @@ import numpy as np
 
 import torch
 
-from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy, references
+from rlcourse.grading._core import assert_close, call_unmutated, fail, fail_if_mistake, passed, to_numpy, references
+from rlcourse.grading._routes import ADVANTAGES, KL_PENALTY, POLICY_GRADIENT_STEP
 
 __all__ = ["check_leave_one_out_advantages", "check_policy_gradient_loss", "check_rloo_gradient_estimate",
            "check_rloo_step", "check_rloo_kl_step"]
 
 
 def _call_unmutated(name, case, fn, *tensors, **kwargs):
-    before = [t.clone() if isinstance(t, torch.Tensor) else t for t in tensors]
-    got = fn(*tensors, **kwargs)
-    if any(isinstance(t, torch.Tensor) and not torch.equal(b, t) for b, t in zip(before, tensors)):
-        fail(name, case, "inputs left unchanged", "an input tensor was modified in place",
-             "compute new tensors instead of writing into the arguments")
-    return got
+    """``fn(*tensors, **kwargs)``, failing if it wrote into an argument: :func:`~rlcourse.grading._core.call_unmutated`,
+    which counts a NaN left where it was as unchanged (``torch.equal`` would call NaN != NaN a change)."""
+    __tracebackhide__ = True
+    return call_unmutated(name, case, fn, *tensors, **kwargs)
 
 
-@references("rlcourse.losses.grpo:leave_one_out_advantages")
+@references(*ADVANTAGES)
 def check_leave_one_out_advantages(fn) -> None:
     """``fn(rewards, num_generations) -> (B,)``: ``A_i = r_i - mean of the other K-1 rewards of i's group``.
 
@@ -168,7 +167,7 @@ def _reinforce_trained_with(fn, steps: int = 40, prompts_per_step: int = 64, lr:
     return before, after
 
 
-@references("rlcourse.lm.exact_oracle:gradient_estimates")
+@references("rlcourse.lm.exact_oracle:gradient_estimates", *ADVANTAGES)
 def check_rloo_gradient_estimate(fn) -> None:
     """``fn(policy, rewards, K, generator) -> (D,)``: one RLOO gradient estimate from K samples.
 
@@ -241,8 +240,7 @@ RLOO_LEARNING = {"steps": 40, "lr": 1e-4, "groups": 8, "num_generations": 8, "ex
                  "margin": 0.05}
 
 
-@references("rlcourse.losses.grpo:leave_one_out_advantages",
-            "rlcourse.losses.policy_gradient:reinforce_loss")
+@references(*POLICY_GRADIENT_STEP)
 def check_rloo_step(fn) -> None:
     """``fn(model, optimizer, tokenizer, task, prompts, generator, num_generations) -> mean reward``: one
     RLOO update. Checked twice: the gradient each of two calls hands the optimiser equals the reference
@@ -279,18 +277,24 @@ def _reference_rloo_kl_step(model, optimizer, tokenizer, task, prompts, generato
     return (float(task_rewards.mean()),)
 
 
+@references(*POLICY_GRADIENT_STEP, *KL_PENALTY)
 def check_rloo_kl_step(fn) -> None:
     """``fn(model, optimizer, tokenizer, task, prompts, generator, num_generations, ref_model, beta) -> mean
     task reward``: the fixed find-the-bug step, RLOO with the KL penalty in the reward. Checked by the
-    gradient of two calls (against the reference step's) and by 40 steps that must learn."""
+    gradient of two calls (against the reference step's), the second beta's with a reference other than the
+    policy's start, and by 40 steps that must learn."""
     __tracebackhide__ = True
     import copy
 
-    from rlcourse.grading._steps import addition_start, check_sampling_step
+    from rlcourse.grading._steps import addition_start, check_sampling_step, moved_copy
 
-    ref = copy.deepcopy(addition_start()[1]).requires_grad_(False)
+    start = addition_start()[1]
+    ref = copy.deepcopy(start).requires_grad_(False)
+    other = moved_copy(start, seed=92).requires_grad_(False)      # a reference that is not where the policy starts
     learning = {**RLOO_LEARNING, "extra": (ref, 0.05)}
-    check_sampling_step("check_rloo_kl_step", fn, _reference_rloo_kl_step, [("beta=0.1", (ref, 0.1)),
-                                                                          ("beta=0.5", (ref, 0.5))], learning,
-                        "the update is not the policy-gradient estimate of the KL-regularised reward: it has "
-                        "another direction than the reference step's")
+    settings = [("beta=0.1", (ref, 0.1)),
+                ("beta=0.5, ref_model not the policy's start (addition-partial moved by seeded noise)", (other, 0.5))]
+    check_sampling_step("check_rloo_kl_step", fn, _reference_rloo_kl_step, settings, learning,
+                        "the update is not the policy-gradient estimate of the KL-regularised reward (the KL "
+                        "against ref_model, the model handed over): it has another direction than the reference "
+                        "step's")

@@ -7,8 +7,9 @@
   ``loss_type`` strings built at run time (``is`` is not ``==``) and padding holding inf and nan
   (multiplying by the mask makes nan);
 * :func:`check_sequence_ratio` - GSPO's length-normalised sequence ratio, then GSPO trained with it;
-* :func:`check_length_bias_experiment` - an experiment: the learner's training loop on the exact
-  oracle must reproduce Dr. GRPO's finding (wrong answers grow longer under grpo's aggregation);
+* :func:`check_length_bias_experiment` - an experiment: the policies the learner's training loop on the
+  exact oracle hands back (their logits), measured exactly, must reproduce Dr. GRPO's finding (wrong
+  answers grow longer under grpo's aggregation);
 * :func:`check_grpo_loss` - the clipped per-token loss with clip-higher and beta * k3, aggregated by
   ``loss_type``: value and gradient (mistakes caught: the sign, max for min, the ratio against the
   reference, no clip, swapped or symmetric clip sides, k3 reversed, k1 for k3, TRL's ratio-weighted
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy, references
+from rlcourse.grading._routes import ADVANTAGES, POLICY_GRADIENT_LOSSES, POLICY_GRADIENT_STEP
 
 __all__ = ["check_group_advantages", "check_aggregate_loss", "check_sequence_ratio",
            "check_length_bias_experiment", "check_grpo_loss", "check_grpo_step", "check_variant_losses",
@@ -44,7 +46,7 @@ def _unmutated(name, case, fn, *args):
     return got
 
 
-@references("rlcourse.losses.grpo:group_advantages")
+@references(*ADVANTAGES)
 def check_group_advantages(fn) -> None:
     """``fn(rewards, num_generations, std_floor) -> (B,)``: ``(r - group mean) / (group std + std_floor)``,
     std with Bessel's correction, and exactly 0 for a group whose rewards are all equal."""
@@ -112,7 +114,7 @@ def _token_cases(seed):
     return cases
 
 
-@references("rlcourse.losses.grpo:aggregate_loss")
+@references("rlcourse.losses.grpo:aggregate_loss", "rlcourse.losses.policy_gradient:masked_mean")
 def check_aggregate_loss(fn) -> None:
     """``fn(per_token_loss, mask, loss_type, max_completion_length) -> scalar`` for
     ``loss_type`` in ``grpo`` (sequence mean), ``dapo`` (token mean), ``dr_grpo`` (constant)."""
@@ -221,26 +223,75 @@ def _train_with(fn_loss, loss_type: str, steps: int, num_iterations: int = 2, lr
     return before, after
 
 
+LENGTH_BIAS = {"seeds": (0, 1), "margin": 0.5, "learned": 0.5}
+
+
+def _oracle_start(seed: int):
+    """The policy of exercise 4 before training (the lesson's section 3)."""
+    from rlcourse.lm.exact_oracle import EnumerablePolicy
+
+    return EnumerablePolicy(vocab_size=3, max_len=6, seed=seed, init_scale=0.5)
+
+
+def _wrong_answer_length(policy) -> tuple[float, float]:
+    """``(E[|y| | y wrong], pi(a <eos>))`` of an oracle policy, exact: computed over every completion it can write."""
+    ids = policy.completions
+    right = (ids[:, 0] == 1) & (ids[:, 1] == 0)
+    with torch.no_grad():
+        p = policy.probs()[0].double()
+    lengths = policy.lengths.double()
+    return float((p * lengths * ~right).sum() / (p * ~right).sum()), float(p[right].sum())
+
+
+@references("rlcourse.lm.length_bias:wrong_answer_lengths")
 def check_length_bias_experiment(fn) -> None:
-    """``fn(loss_type, seed) -> list`` of the expected wrong-answer length after each training step,
-    from the learner's loop on the oracle of the lesson. Measured at seeds 0 and 1: grpo's must end
-    at least 0.5 tokens above dr_grpo's (Dr. GRPO's length bias)."""
+    """``fn(loss_type, seed) -> the trained policy's logits``: the learner's loop on the oracle of the lesson
+    (60 steps from ``EnumerablePolicy(vocab_size=3, max_len=6, seed=seed, init_scale=0.5)``), handing back
+    ``policy.logits``, the table it trained. The check measures that policy itself, exactly: the right
+    answer's probability must have risen to at least 0.5, two seeds must give two policies, and the expected
+    length of a wrong answer, mean of seeds 0 and 1, must end at least 0.5 tokens longer under grpo than
+    under dr_grpo (Dr. GRPO's length bias)."""
     __tracebackhide__ = True
     name = "check_length_bias_experiment"
-    finals = {}
+    s = LENGTH_BIAS
+    finals, trained = {}, {}
     for loss_type in ("grpo", "dr_grpo"):
-        runs = [fn(loss_type, seed) for seed in (0, 1)]
-        for run in runs:
-            if run is None or len(run) < 20:
-                fail(name, loss_type, "a list with one length per step (>= 20 steps)", run,
-                     "append the exact expected length of wrong answers after every step")
-        finals[loss_type] = sum(float(r[-1]) for r in runs) / len(runs)
+        lengths = []
+        for seed in s["seeds"]:
+            case = f"fn({loss_type!r}, {seed})"
+            policy = _oracle_start(seed)
+            start_right = _wrong_answer_length(policy)[1]
+            got = fn("".join(loss_type), seed)     # built at run time: a string compared with `is` would fail
+            if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(policy.logits.shape):
+                shown = (f"a tensor of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor)
+                         else f"{type(got).__name__} {got!r:.60}")
+                fail(name, case, f"the trained policy's logits, a tensor of shape {tuple(policy.logits.shape)}", shown,
+                     "return policy.logits, the table your loop trained: the check measures its wrong answers' "
+                     "length itself")
+            with torch.no_grad():
+                policy.logits.copy_(got.detach().to(policy.logits.dtype))
+            length, right = _wrong_answer_length(policy)
+            if not right >= s["learned"]:
+                fail(name, case, f"a policy that writes the right answer 'a <eos>' with probability at least "
+                     f"{s['learned']} (the start's: {start_right:.3f})", f"probability {right:.3f}",
+                     "train the policy whose logits you return: 60 steps of 16 groups of 8 completions, Adam at lr "
+                     "0.1 on the logits, the loss aggregated as loss_type says")
+            trained[(loss_type, seed)] = policy.logits.detach().clone()
+            lengths.append(length)
+        first, second = (trained[(loss_type, seed)] for seed in s["seeds"])
+        if torch.equal(first, second):
+            fail(name, f"fn({loss_type!r}, {s['seeds'][0]}) and fn({loss_type!r}, {s['seeds'][1]})",
+                 "two different policies: the seed sets the start and the draws", "the same policy twice",
+                 "start from EnumerablePolicy(..., seed=seed) and draw with torch.Generator().manual_seed(seed)")
+        finals[loss_type] = sum(lengths) / len(lengths)
     gap = finals["grpo"] - finals["dr_grpo"]
-    if not gap >= 0.5:
-        fail(name, "wrong-answer length at the end, mean of seeds 0 and 1",
-             "grpo at least 0.5 tokens longer than dr_grpo", f"grpo {finals['grpo']:.2f}, dr_grpo {finals['dr_grpo']:.2f}",
-             "use aggregate_loss(per_token, mask, loss_type, max_len): the normalisation is the experiment")
-    print(f"✔ {name}: wrong answers end {gap:.2f} tokens longer under grpo than under dr_grpo")
+    if not gap >= s["margin"]:
+        fail(name, "the expected length of a wrong answer at the end, measured on the policies returned, mean of "
+                   "seeds 0 and 1", f"grpo at least {s['margin']} tokens longer than dr_grpo",
+             f"grpo {finals['grpo']:.2f}, dr_grpo {finals['dr_grpo']:.2f}",
+             "aggregate with your aggregate(per_token, mask, loss_type, 6): the normalisation is the experiment")
+    print(f"✔ {name}: measured on the policies returned, wrong answers end {gap:.2f} tokens longer under grpo "
+          f"({finals['grpo']:.2f}) than under dr_grpo ({finals['dr_grpo']:.2f})")
 
 
 def _loss_cases(seed):
@@ -264,7 +315,8 @@ def _loss_cases(seed):
     return out
 
 
-@references("rlcourse.losses.grpo:per_token_loss", "rlcourse.losses.grpo:aggregate_loss")
+@references(*POLICY_GRADIENT_LOSSES, "rlcourse.losses.policy_gradient:masked_mean", "rlcourse.kl:kl_k3",
+            "rlcourse.lm.policy_gradient:loss_and_stats")
 def check_grpo_loss(fn) -> None:
     """``fn(logprobs, old_logprobs, ref_logprobs, advantages, mask, loss_type, epsilon, epsilon_high, beta,
     max_completion_length) -> scalar``: GRPO's clipped per-token loss plus ``beta * k3``, aggregated by
@@ -375,11 +427,16 @@ def _reference_update(model, optimizer, tokenizer, task, prompts, generator, num
     return float(rewards.mean()), outside
 
 
-STEP_SETTINGS = [("dapo", 0.2, None), ("grpo", 0.2, 0.28), ("dr_grpo", 0.2, None)]
+# (loss_type, epsilon, epsilon_high, task budget). One on-policy update draws its batch from the weights it
+# steps on, so every ratio is 1 and no clip acts: epsilon varies all the same. dr_grpo divides by
+# max_completion_length: at a budget of 6 new tokens, which no completion fills (the sums have 2 or 3
+# digits), that is not the batch's padded width.
+STEP_SETTINGS = [("dapo", 0.2, None, None), ("grpo", 0.2, 0.28, None), ("dr_grpo", 0.1, None, 6)]
 STEP_LEARNING = {"steps": 40, "lr": 1e-4, "groups": 8, "num_generations": 8, "extra": ("dapo", 0.2, None),
                  "held_out": 300, "margin": 0.05}
 
 
+@references(*POLICY_GRADIENT_STEP)
 def check_grpo_step(fn) -> None:
     """``fn(model, optimizer, tokenizer, task, prompts, generator, num_generations, loss_type, epsilon,
     epsilon_high) -> mean reward``: one GRPO update. Checked twice: the gradient each of two calls hands
@@ -388,7 +445,8 @@ def check_grpo_step(fn) -> None:
     __tracebackhide__ = True
     from rlcourse.grading._steps import check_sampling_step
 
-    settings = [(f"loss_type={t!r}, epsilon={e}, epsilon_high={h}", ("".join(t), e, h)) for t, e, h in STEP_SETTINGS]
+    settings = [(f"loss_type={t!r}, epsilon={e}, epsilon_high={h}" + (f", task.max_new_tokens={b}" if b else ""),
+                 ("".join(t), e, h), {"max_new_tokens": b} if b else {}) for t, e, h, b in STEP_SETTINGS]
     check_sampling_step("check_grpo_step", fn, _reference_update, settings, STEP_LEARNING,
                         "another direction: the advantages are normalised within each group of num_generations "
                         "completions; the ratio is the model's log-probs (with grad) against the sampler's; padding "
@@ -426,7 +484,7 @@ def _variant_mistakes(loss_type, rho, a, logp, eps_max, tau_pos, tau_neg):
             (gate(tau, shift=0.0), "the gate is centred at rho = 1: sigmoid(tau (rho - 1))")]
 
 
-@references("rlcourse.losses.grpo:per_token_loss")
+@references(*POLICY_GRADIENT_LOSSES, "rlcourse.lm.policy_gradient:loss_and_stats")
 def check_variant_losses(fn) -> None:
     """``fn(logprobs, old_logprobs, advantages, mask, loss_type, epsilon_max, tau_pos, tau_neg) -> (B, T)``:
     the per-token losses of CISPO (``-sg(min(rho, epsilon_max)) A log pi``) and SAPO
@@ -496,9 +554,11 @@ def check_variant_losses(fn) -> None:
           f"{reached['sapo']:.1%} (sapo)")
 
 
-BUG_SETTINGS = [(0.7, 2), (0.5, 3)]
+# (temperature, num_iterations, epsilon, num_generations)
+BUG_SETTINGS = [(0.7, 2, 0.2, 8), (0.5, 3, 0.1, 4)]
 
 
+@references(*POLICY_GRADIENT_STEP)
 def check_grpo_update(fn) -> None:
     """``fn(model, optimizer, tokenizer, task, prompts, generator, num_generations, temperature, num_iterations,
     epsilon) -> [share of tokens outside the clip range at each step]``: the fixed find-the-bug update.
@@ -510,14 +570,14 @@ def check_grpo_update(fn) -> None:
     name = "check_grpo_update"
     task, start, tokenizer = addition_start()
     n = 0
-    for temperature, iterations in BUG_SETTINGS:
-        case = f"temperature {temperature}, num_iterations {iterations}, 6 prompts x 8 completions"
+    for temperature, iterations, epsilon, K in BUG_SETTINGS:
+        case = f"temperature {temperature}, num_iterations {iterations}, epsilon {epsilon}, 6 prompts x {K} completions"
         mine, theirs, opt_mine, opt_theirs = twin_runs(start, lr=0.02)
         prompts = task.prompts(6, rng=40)
-        shares = fn(mine, opt_mine, tokenizer, task, list(prompts), torch.Generator().manual_seed(6), 8, temperature,
-                    iterations, 0.2)
+        shares = fn(mine, opt_mine, tokenizer, task, list(prompts), torch.Generator().manual_seed(6), K, temperature,
+                    iterations, epsilon)
         _, expected_shares = _reference_update(theirs, opt_theirs, tokenizer, task, prompts,
-                                               torch.Generator().manual_seed(6), 8, "dapo", 0.2, None, temperature,
+                                               torch.Generator().manual_seed(6), K, "dapo", epsilon, None, temperature,
                                                iterations)
         if len(opt_mine.seen) != iterations:
             fail(name, case, f"{iterations} optimizer steps", f"{len(opt_mine.seen)}",
@@ -526,7 +586,7 @@ def check_grpo_update(fn) -> None:
             fail(name, case, f"a list of {iterations} shares", shares, "return the list the function builds")
         if float(shares[0]) > 0:
             fail(name, case, "no token outside the clip range before any update (every ratio is 1)",
-                 f"{float(shares[0]):.1%} of the tokens outside [0.8, 1.2] at the first step",
+                 f"{float(shares[0]):.1%} of the tokens outside [{1 - epsilon:g}, {1 + epsilon:g}] at the first step",
                  "at the first step the policy is the one that drew the tokens, so pi / pi_old must be exactly 1: "
                  "the two log-probs of a token are not of the same distribution")
         for step, (expected, received) in enumerate(zip(opt_theirs.seen, opt_mine.seen)):

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from rlcourse.grading._core import assert_close, call_unmutated, fail, fail_if_mistake, passed, references, to_numpy
+from rlcourse.grading._routes import STRICT_FILLER_REWARD
 
 __all__ = ["check_pass_at_k", "check_strict_answer", "check_overlong_penalty", "check_reward_experiment",
            "check_high_entropy_mask"]
@@ -40,7 +41,7 @@ def _subsets_pass_at_k(n: int, c: int, k: int) -> float:
     return sum(any(i < c for i in s) for s in subsets) / len(subsets)
 
 
-@references("rlcourse.lm.coverage:pass_at_k")
+@references("rlcourse.lm.coverage:pass_at_k", "rlcourse.lm.coverage:coverage", "rlcourse.lm.rlvr_runs:pass_at_k_curve")
 def check_pass_at_k(fn) -> None:
     """``fn(n, c, k) -> float``: the probability that k samples drawn without replacement from n, of which c
     are right, hold at least one right one, for every ``0 <= c <= n`` and ``1 <= k <= n``."""
@@ -99,8 +100,7 @@ def _reference(prompt: str, completion: str, budget: int) -> bool:
     return FillerAdditionTask(max_filler=max(budget, 12), budget=budget).is_right(prompt, completion)
 
 
-@references("rlcourse.lm.tasks:FillerAdditionTask.is_right", "rlcourse.lm.verifiers:FillerVerifiers.is_right",
-            "rlcourse.lm.verifiers:extract_answer")
+@references(*STRICT_FILLER_REWARD)
 def check_strict_answer(fn) -> None:
     """``fn(prompt, completion, budget) -> bool``: True exactly when the completion is at most ``budget``
     dots and then the decimal sum of the prompt's two numbers, in ASCII digits without leading zeros, and
@@ -139,7 +139,7 @@ def check_strict_answer(fn) -> None:
     passed(name, len(cases))
 
 
-@references("rlcourse.losses.rlvr:overlong_penalty")
+@references("rlcourse.losses.rlvr:overlong_penalty", "rlcourse.lm.policy_gradient:overlong_shaped")
 def check_overlong_penalty(fn) -> None:
     """``fn(lengths, max_completion_length, overlong_buffer_len) -> (B,)``: DAPO's soft overlong punishment
     of each length (a 1-D integer tensor), 0 up to ``L - C``, falling linearly to -1 at ``L``, -1 beyond."""
@@ -182,12 +182,13 @@ def check_overlong_penalty(fn) -> None:
     passed(name, n)
 
 
-REWARD_EXPERIMENT = {"seeds": [0, 1], "steps": 60, "learning_rate": 1.5e-4, "held_out": 64, "samples": 8, "margin": 0.04}
+REWARD_EXPERIMENT = {"seeds": [0, 1, 2, 3], "steps": 60, "learning_rate": 1.5e-4, "held_out": 64, "samples": 8, "margin": 0.04}
 
 
+@references(*STRICT_FILLER_REWARD)
 def check_reward_experiment(fn) -> None:
     """``fn(prompts, completions) -> list[float]``: a reward for ``FillerAdditionTask``. GRPO trains
-    ``filler-addition`` on it (seeds 0 and 1, 60 steps, lesson 10b's settings); the strict accuracy of
+    ``filler-addition`` on it (seeds 0 to 3, 60 steps, lesson 10b's settings); the strict accuracy of
     its samples on 64 held-out prompts must end at least 4 points above the start's, on average."""
     __tracebackhide__ = True
     from rlcourse.lm import FillerAdditionTask, load_checkpoint
@@ -326,7 +327,7 @@ def _as_keep(name: str, case: str, expected: torch.Tensor, got) -> np.ndarray:
     return array
 
 
-@references("rlcourse.losses.rlvr:high_entropy_mask")
+@references("rlcourse.losses.rlvr:high_entropy_mask", "rlcourse.lm.policy_gradient:_entropy_terms")
 def check_high_entropy_mask(fn) -> None:
     """``fn(entropies, mask, top_entropy_quantile) -> bool (B, T)``: the tokens whose entropy is at least the
     ``(1 - rho)``-quantile (linear interpolation) of the real tokens' entropies, padded positions never."""

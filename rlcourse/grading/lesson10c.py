@@ -9,8 +9,9 @@
   advantage's sign ignored, ``A = 0`` dropped, the divergence taken the other way, a sum or a mean
   over the padded width instead of the mean over real tokens, a strict inequality at the
   threshold, a mask per token, the padding's junk let in);
-* :func:`check_mismatch_run` - an experiment: the learner's GRPO runs under a 3-bit sampler must
-  show the mismatch costing accuracy, and a correction known to work winning some of it back;
+* :func:`check_mismatch_run` - an experiment: the learner's GRPO runs under a 3-bit sampler hand back
+  their trained policies, which the check measures on held-out prompts: the mismatch must cost
+  accuracy, and a correction known to work must win some of it back;
 * :func:`check_mismatch_correction` - the correction the learner chose, measured with the course's
   own run of that experiment: it must win back at least 3.5 points;
 * :func:`check_off_policy_step` - one GRPO update on a 3-bit sampler's completions with TRL's weight, checked
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from rlcourse.grading._core import assert_close, call_unmutated, fail, fail_if_mistake, passed, references, to_numpy
+from rlcourse.grading._routes import OFF_POLICY_CORRECTIONS, POLICY_GRADIENT_TRAINER
 
 __all__ = ["check_sampler_weights", "check_off_policy_mask", "check_mismatch_run", "check_mismatch_correction",
            "check_off_policy_step", "check_off_policy_update"]
@@ -71,7 +73,8 @@ def _shown_bounds(clip_min, clip_max) -> str:
     return f"clip_min={clip_min}, clip_max={clip_max}"
 
 
-@references("rlcourse.losses.off_policy:sampler_importance_weights")
+@references("rlcourse.losses.off_policy:sampler_importance_weights",
+            "rlcourse.lm.policy_gradient:attach_sampler_logprobs")
 def check_sampler_weights(fn) -> None:
     """``fn(old_logprobs, sampler_logprobs, mask, mode, clip_min, clip_max)``: TRL's ``importance_sampling_ratio``,
     ``(B, T)`` for the ``token_*`` modes and ``(B, 1)`` for the ``sequence_*`` modes, a constant."""
@@ -170,7 +173,7 @@ def _mask_cases():
     return cases
 
 
-@references("rlcourse.losses.off_policy:off_policy_sequence_mask")
+@references("rlcourse.losses.off_policy:off_policy_sequence_mask", "rlcourse.lm.policy_gradient:loss_and_stats")
 def check_off_policy_mask(fn) -> None:
     """``fn(advantages, logprobs, sampler_logprobs, mask, threshold) -> (B, 1)`` of 0 (drop) and 1 (keep)."""
     __tracebackhide__ = True
@@ -178,8 +181,24 @@ def check_off_policy_mask(fn) -> None:
 
     name = "check_off_policy_mask"
     n = 0
-    for case, adv, logp, sampler, mask, threshold in _mask_cases():
-        got = call_unmutated(name, case, fn, adv, logp, sampler, mask, threshold)
+    cases = _mask_cases()
+    case, adv, logp, sampler, mask, threshold = cases[-1]      # again, with the trainer's log-probs: they carry a graph
+    cases.append((case.replace("6 random completions", "the same 6 completions, logprobs requiring grad as a "
+                                                        "trainer's do,"), adv, logp.clone().requires_grad_(True),
+                  sampler, mask, threshold))
+    for case, adv, logp, sampler, mask, threshold in cases:
+        try:
+            got = call_unmutated(name, case, fn, adv, logp, sampler, mask, threshold)
+        except RuntimeError as error:
+            if not logp.requires_grad:
+                raise
+            fail(name, case, "a mask", f"RuntimeError: {error}",
+                 "a trainer's log-probs carry the policy's graph and the mask is not differentiated: work on "
+                 "logprobs.detach()")
+        if isinstance(got, torch.Tensor) and got.requires_grad:
+            fail(name, case, "a mask without a gradient (a constant)", "a tensor that requires grad",
+                 "the mask selects sequences, it is not differentiated: compute it from detached log-probs")
+        logp = logp.detach()
         expected = reference(adv, logp, sampler, mask, threshold).double()
         real = mask.bool()
         a = adv.reshape(-1, 1)
@@ -250,46 +269,104 @@ def _reference_run(settings: tuple | None) -> tuple:
     return tuple(exact_match(trainer.model_of(s), tokenizer, task, prompts) for s in range(len(MISMATCH["seeds"])))
 
 
-def _accuracies(name: str, case: str, got, n: int) -> np.ndarray:
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().cpu().float() for p in model.parameters()])
+
+
+def _policies(name: str, case: str, got, n: int, handed: torch.Tensor, checkpoint: torch.Tensor) -> list:
+    """The ``n`` trained policies a run returned, or a failure saying what came back instead: each a causal LM
+    trained from the policy handed over (``handed``, its weights flat), not from the checkpoint loaded again."""
     __tracebackhide__ = True
-    try:
-        values = np.asarray(to_numpy(got), dtype=float).reshape(-1)
-    except (TypeError, ValueError):
-        fail(name, case, f"a list of {n} held-out accuracies (one per seed)", f"{type(got).__name__}",
-             "return the exact-match rate of each seed's trained policy")
-    if values.shape != (n,) or not ((values >= 0) & (values <= 1)).all():
-        fail(name, case, f"{n} accuracies in [0, 1], one per seed", got,
-             "return [exact_match(trainer.model_of(s), tokenizer, task, prompts) for s in range(8)]")
-    return values
+    models = list(got) if isinstance(got, (list, tuple)) else None
+    if models is None or len(models) != n or not all(
+            isinstance(m, torch.nn.Module) and hasattr(m, "get_input_embeddings") for m in models):
+        shown = (f"{len(models)} items of types {sorted({type(m).__name__ for m in models})}" if models is not None
+                 else f"{type(got).__name__} {got!r:.60}")
+        fail(name, case, f"a list of {n} trained policies (causal LMs), one per seed", shown,
+             "return the policies the trainer trained, [trainer.model_of(s) for s in range(8)]: the check measures "
+             "each on held-out prompts itself")
+    weights = [_flat(m) for m in models]
+    if any(w.shape != handed.shape for w in weights):
+        fail(name, case, f"{n} policies of the shape of the policy handed over", "policies of another shape",
+             "train from start, the policy you are given")
+    untrained = [s for s, w in enumerate(weights) if torch.equal(w, handed)]
+    if untrained:
+        fail(name, case, f"{n} policies trained from start", f"seed(s) {untrained} still at the start",
+             "return each seed's policy after trainer.train()")
+    elsewhere = [s for s, w in enumerate(weights) if not (w - handed).norm() < (w - checkpoint).norm()]
+    if elsewhere:
+        fail(name, case, f"{n} policies trained from the policy handed over",
+             f"seed(s) {elsewhere} nearer the addition-partial checkpoint than that policy",
+             "train from start, the policy you are given (the check moves it a little), not a checkpoint loaded again")
+    probe = torch.randn(handed.shape, generator=torch.Generator().manual_seed(0))
+    sums = [float(w.double() @ probe.double()) for w in weights]
+    if len(set(sums)) < n:
+        fail(name, case, f"{n} different policies, one per seed", f"{len(set(sums))} different one(s)",
+             "each seed trains its own policy (seeds=list(range(8))); return trainer.model_of(s) for every s")
+    return models
 
 
+def _measured(models, tokenizer, held_out: int) -> np.ndarray:
+    """Greedy exact match of each policy on the first ``held_out`` test prompts, measured here."""
+    from rlcourse.lm import AdditionTask, exact_match
+
+    task = AdditionTask()
+    prompts = task.test_prompts(held_out)
+    return np.array([exact_match(m.cpu().eval(), tokenizer, task, prompts) for m in models])
+
+
+@references()
 def check_mismatch_run(fn) -> None:
-    """``fn(settings) -> [held-out exact match of each of the 8 seeds]``: ``fn(None)`` trains on-policy,
-    ``fn({})`` with the 3-bit sampler and no correction, ``fn(s)`` with the 3-bit sampler and the
-    off-policy settings ``s``. Measured, paired over the seeds: the uncorrected run must lose at least
-    3 points to the on-policy one, and a correction known to work must win at least 3 of them back."""
+    """``fn(start, tokenizer, settings) -> [the trained policy of each of the 8 seeds]``: ``fn(start, tokenizer,
+    None)`` trains on-policy from ``start``, ``fn(start, tokenizer, {})`` with the 3-bit sampler and no
+    correction, ``fn(start, tokenizer, s)`` with the 3-bit sampler and the off-policy settings ``s``.
+    ``start`` is ``addition-partial`` moved a little by seeded noise (a run that loads the checkpoint again is
+    seen); it must come back unchanged. The check measures every policy itself (greedy exact match on 200
+    held-out test prompts; a reported number could be anything). Paired over the seeds: the uncorrected run
+    must lose at least 3 points to the on-policy one, and a correction known to work must win at least 3 of
+    them back."""
     __tracebackhide__ = True
+    import copy
+
+    from rlcourse.grading._steps import moved_copy
+    from rlcourse.lm import load_checkpoint
+
     name = "check_mismatch_run"
-    n = len(MISMATCH["seeds"])
-    on = _accuracies(name, "fn(None), on-policy", fn(None), n)
-    uncorrected = _accuracies(name, "fn({}), the 3-bit sampler, uncorrected", fn({}), n)
+    n, held_out = len(MISMATCH["seeds"]), MISMATCH["held_out"]
+    partial, tokenizer = load_checkpoint("addition-partial", device="cpu")
+    start = moved_copy(partial, seed=3, scale=0.003)   # the same start for every run: the comparisons stay paired
+    checkpoint, handed = _flat(partial), _flat(start)
+
+    def accuracies(case: str, settings):
+        policy = copy.deepcopy(start)
+        got = fn(policy, tokenizer, settings)
+        if not torch.equal(_flat(policy), handed):
+            fail(name, case, "start left unchanged", "its weights were changed",
+                 "the trainer trains copies of start (one per seed): the check hands the same start to every run")
+        return _measured(_policies(name, case, got, n, handed, checkpoint), tokenizer, held_out)
+
+    on = accuracies("fn(start, tokenizer, None), on-policy", None)
+    uncorrected = accuracies("fn(start, tokenizer, {}), the 3-bit sampler, uncorrected", {})
     cost = 100 * (on - uncorrected)
     if not cost.mean() >= 3:
-        fail(name, "fn(None) minus fn({}), paired over the 8 seeds", "at least 3 points lost to the 3-bit sampler",
+        fail(name, "fn(..., None) minus fn(..., {}), paired over the 8 seeds (held-out exact match of the policies "
+                   "returned)", "at least 3 points lost to the 3-bit sampler",
              f"{cost.mean():+.1f} points (per seed: {np.round(cost, 1).tolist()})",
-             "the mismatch did not reach training: fn({}) must sample with the 3-bit copy (sampler=CopySampler(...)) "
-             "and fn(None) without a sampler, and both must train before they are evaluated")
-    fixed = _accuracies(name, f"fn({WORKING})", fn(dict(WORKING)), n)
+             "the mismatch did not reach training: fn(..., {}) must sample with the 3-bit copy "
+             "(sampler=CopySampler(...)) and fn(..., None) without a sampler")
+    fixed = accuracies(f"fn(start, tokenizer, {WORKING})", dict(WORKING))
     gain = 100 * (fixed - uncorrected)
     if not gain.mean() >= 3:
-        fail(name, f"fn({WORKING}) minus fn({{}}), paired over the 8 seeds",
+        fail(name, f"fn(..., {WORKING}) minus fn(..., {{}}), paired over the 8 seeds",
              "at least 3 points won back by token-level truncated importance sampling",
              f"{gain.mean():+.1f} points (per seed: {np.round(gain, 1).tolist()})",
              "the settings must reach the trainer: PolicyGradientConfig(..., **settings)")
-    print(f"✔ {name}: the 3-bit sampler cost {cost.mean():.1f} points; a working correction won back {gain.mean():.1f} "
-          f"(paired over {n} seeds)")
+    print(f"✔ {name}: measured on {held_out} held-out prompts, the 3-bit sampler cost {cost.mean():.1f} points "
+          f"({100 * on.mean():.1f}% -> {100 * uncorrected.mean():.1f}%); a working correction won back "
+          f"{gain.mean():.1f} (paired over {n} seeds)")
 
 
+@references()
 def check_mismatch_correction(fn) -> None:
     """``fn() -> settings``: off-policy settings under TRL's names. Measured with the course's own run of
     the experiment (8 seeds, the 3-bit sampler): the settings must raise held-out exact match by at
@@ -329,12 +406,15 @@ def check_mismatch_correction(fn) -> None:
 # token's weight pi_old / mu differs from 1 and each mode and bound gives another gradient.
 STEP_BITS = 3
 STEP_BATCH = (8, 8)    # prompts x completions per call: at lesson 10's 6 x 4 this sampler drew no right answer, no gradient
-STEP_SETTINGS = [("token_truncate", None, 3.0), ("sequence_mask", None, 3.0), ("token_mask", 0.5, 2.0),
-                 ("sequence_truncate", 0.5, 2.0)]
+# (mode, clip_min, clip_max, sampler bits, completions per prompt): the last setting hands over another
+# sampler (a 4-bit copy, whose draws have a right answer in groups of 4) and another group size.
+STEP_SETTINGS = [("token_truncate", None, 3.0, STEP_BITS, 8), ("sequence_mask", None, 3.0, STEP_BITS, 8),
+                 ("token_mask", 0.5, 2.0, STEP_BITS, 8), ("sequence_truncate", 0.5, 2.0, 4, 4)]
 # 40 steps under the 3-bit sampler at token_truncate, cap 3: the reference step gains 5 to 18 points of
 # held-out exact match over seeds 0-7 (10 at seed 0, which the check uses); the uncorrected step -3 to +6.
 STEP_LEARNING = {"steps": 40, "lr": 1e-4, "groups": 8, "num_generations": 8, "held_out": 300, "margin": 0.04}
-BUG_SETTINGS = [("sequence_mask", 3.0, 2), ("token_truncate", 2.0, 3)]
+# (mode, clip_max, num_iterations, epsilon, num_generations, sampler bits)
+BUG_SETTINGS = [("sequence_mask", 3.0, 2, 0.2, 8, STEP_BITS), ("token_truncate", 2.0, 3, 0.1, 4, 4)]
 
 # What a gradient equal to one of these updates' shows (see _variant_gradients), named by its symptom.
 SYMPTOMS = {
@@ -356,11 +436,11 @@ SYMPTOMS = {
 }
 
 
-def _sampler():
-    """The checks' sampler: :class:`~rlcourse.lm.off_policy.CopySampler` of a ``STEP_BITS``-bit copy."""
+def _sampler(bits: int = STEP_BITS):
+    """The checks' sampler: :class:`~rlcourse.lm.off_policy.CopySampler` of a ``bits``-bit copy."""
     from rlcourse.lm.off_policy import CopySampler, quantised_copy
 
-    return CopySampler(functools.partial(quantised_copy, bits=STEP_BITS))
+    return CopySampler(functools.partial(quantised_copy, bits=bits))
 
 
 def _flat_gradient(loss: torch.Tensor, params: list) -> torch.Tensor:
@@ -459,15 +539,15 @@ def _drawn(name: str, case: str, reward, expected_reward: float) -> None:
              "mean of their rewards")
 
 
-@references("rlcourse.losses.off_policy:sampler_importance_weights", "rlcourse.lm.policy_gradient:attach_sampler_logprobs",
-            "rlcourse.lm.policy_gradient:loss_and_stats")
+@references(*OFF_POLICY_CORRECTIONS, *POLICY_GRADIENT_TRAINER)
 def check_off_policy_step(fn) -> None:
     """``fn(model, optimizer, tokenizer, task, prompts, generator, num_generations, sampler, mode, clip_min, clip_max)
     -> mean reward``: one GRPO update on completions drawn by ``sampler``, corrected by TRL's weight.
 
-    Checked as :func:`rlcourse.grading.lesson10.check_grpo_step` is, with a 3-bit sampler: for each of four
-    modes and bounds, the gradient each of two calls hands the optimiser equals the course trainer's
-    (:func:`_reference_update`) on the same weights and generator; then 40 steps with Adam from
+    Checked as :func:`rlcourse.grading.lesson10.check_grpo_step` is, with a 3-bit sampler (a 4-bit one and
+    groups of 4 in the last setting): for each of four modes and bounds, the gradient each of two calls hands
+    the optimiser equals the course trainer's (:func:`_reference_update`) on the same weights and generator;
+    then 40 steps with Adam from
     ``addition-partial``, under the same sampler at ``token_truncate`` with a cap of 3, must raise greedy
     exact match on 300 held-out prompts by at least 4 points.
     """
@@ -475,15 +555,16 @@ def check_off_policy_step(fn) -> None:
     from rlcourse.grading._steps import addition_start, check_sampling_step, twin_runs
 
     name = "check_off_policy_step"
-    sampler = _sampler()
-    settings = [(f"{STEP_BITS}-bit sampler, mode={mode!r}, clip_min={lo}, clip_max={hi}", (sampler, "".join(mode), lo, hi))
-                for mode, lo, hi in STEP_SETTINGS]
+    samplers = {bits: _sampler(bits) for bits in {b for *_, b, _ in STEP_SETTINGS}}
+    settings = [(f"{bits}-bit sampler, mode={mode!r}, clip_min={lo}, clip_max={hi}",
+                 (samplers[bits], "".join(mode), lo, hi), {"completions": K})
+                for mode, lo, hi, bits, K in STEP_SETTINGS]
     task, start, tokenizer = addition_start()
-    for case, extra in settings:               # first call of each setting: what a wrong gradient shows
+    for case, extra, options in settings:      # first call of each setting: what a wrong gradient shows
         mine, theirs, opt_mine, opt_theirs = twin_runs(start, lr=0.05)
-        groups, K = STEP_BATCH
+        groups, K = STEP_BATCH[0], options["completions"]
         prompts = task.prompts(groups, rng=30)            # check_sampling_step's first call
-        label = f"{case}, {K} completions per prompt, call 1"
+        label = f"{case}, {groups} prompts x {K} completions, call 1"
         reward = fn(mine, opt_mine, tokenizer, task, list(prompts), torch.Generator().manual_seed(5), K, *extra)
         variants: dict = {}
         expected_reward, _ = _reference_update(theirs, opt_theirs, tokenizer, task, prompts,
@@ -491,7 +572,7 @@ def check_off_policy_step(fn) -> None:
         _drawn(name, label, reward, expected_reward)
         if len(opt_mine.seen) == 1:
             _name_the_symptom(name, label, opt_mine.seen[0], opt_theirs.seen[0], variants)
-    learning = dict(STEP_LEARNING, extra=(sampler, "token_truncate", None, 3.0))
+    learning = dict(STEP_LEARNING, extra=(samplers[STEP_BITS], "token_truncate", None, 3.0))
     check_sampling_step(name, fn, _reference_update, settings, learning,
                         "another direction: the ratio of the clipped loss is the model's log-probs (with grad) against "
                         "the trainer's pi_old; the sampler's weight, a constant in the mode and bounds given, "
@@ -507,11 +588,12 @@ class _FirstSteps:
         self.seen = optimizer.seen[:n]
 
 
-@references("rlcourse.lm.policy_gradient:attach_sampler_logprobs", "rlcourse.lm.policy_gradient:loss_and_stats")
+@references(*OFF_POLICY_CORRECTIONS, *POLICY_GRADIENT_TRAINER)
 def check_off_policy_update(fn) -> None:
     """``fn(model, optimizer, tokenizer, task, prompts, generator, num_generations, sampler, mode, clip_max,
     num_iterations, epsilon) -> [share of tokens outside the clip range at each step]``: the fixed
-    find-the-bug update. Measured with a 3-bit sampler: before any update no token's ratio leaves the clip
+    find-the-bug update. Measured with a 3-bit sampler and with a 4-bit one (each with its own clip range,
+    group size and number of steps): before any update no token's ratio leaves the clip
     range (the ratio is against the trainer's own pi_old), every step's gradient equals the course trainer's
     on the same samples (what a wrong one equals is named), and the shares match."""
     __tracebackhide__ = True
@@ -519,18 +601,19 @@ def check_off_policy_update(fn) -> None:
 
     name = "check_off_policy_update"
     task, start, tokenizer = addition_start()
-    sampler = _sampler()
     n = 0
-    for mode, clip_max, iterations in BUG_SETTINGS:
-        case = f"{STEP_BITS}-bit sampler, mode={mode!r}, clip_max={clip_max}, num_iterations={iterations}, 6 prompts x 8"
+    for mode, clip_max, iterations, epsilon, K, bits in BUG_SETTINGS:
+        case = (f"{bits}-bit sampler, mode={mode!r}, clip_max={clip_max}, num_iterations={iterations}, "
+                f"epsilon={epsilon}, 6 prompts x {K}")
+        sampler = _sampler(bits)
         mine, theirs, opt_mine, opt_theirs = twin_runs(start, lr=0.02)
         prompts = task.prompts(6, rng=40)
-        shares = fn(mine, opt_mine, tokenizer, task, list(prompts), torch.Generator().manual_seed(6), 8, sampler,
-                    "".join(mode), clip_max, iterations, 0.2)
+        shares = fn(mine, opt_mine, tokenizer, task, list(prompts), torch.Generator().manual_seed(6), K, sampler,
+                    "".join(mode), clip_max, iterations, epsilon)
         variants: dict = {}
         _, expected_shares = _reference_update(theirs, opt_theirs, tokenizer, task, prompts,
-                                               torch.Generator().manual_seed(6), 8, sampler, mode, None, clip_max, 0.2,
-                                               iterations, variants)
+                                               torch.Generator().manual_seed(6), K, sampler, mode, None, clip_max,
+                                               epsilon, iterations, variants)
         if len(opt_mine.seen) != iterations:
             fail(name, case, f"{iterations} optimizer steps", f"{len(opt_mine.seen)}",
                  "one optimizer step per iteration on the batch")
@@ -542,7 +625,7 @@ def check_off_policy_update(fn) -> None:
             fail(name, case, f"a list of {iterations} shares", shares, "return the list the function builds")
         if shares[0] > 0:
             fail(name, case, "no token outside the clip range before any update (every ratio pi_theta / pi_old is 1)",
-                 f"{shares[0]:.1%} of the tokens outside [0.8, 1.2] at the first step",
+                 f"{shares[0]:.1%} of the tokens outside [{1 - epsilon:g}, {1 + epsilon:g}] at the first step",
                  "at the first step the policy is the one the trainer scored the batch with, so the ratio of the "
                  "clipped loss is exactly 1 on every token: this one is measured against another distribution")
         _name_the_symptom(name, f"{case}, step 1", opt_mine.seen[0], opt_theirs.seen[0], variants)

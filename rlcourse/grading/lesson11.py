@@ -1,5 +1,6 @@
 """Checks for lesson 11 (DPO): the DPO loss, the implicit reward, the IPO loss, and fitting DPO on
-the categorical bandit (an experiment judged by the KL to the closed-form optimum it reaches).
+the categorical bandit (an experiment judged by the KL to the policy its comparisons imply, which
+the check finds itself: with few comparisons it is not the closed-form optimum of the hidden reward).
 
 The cases expose the usual slips: ``beta`` forgotten or applied twice, the reference log-probs
 left out, chosen and rejected swapped, ``-log(sigmoid(z))`` overflowing for confident pairs, a
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from rlcourse.grading._core import assert_close, fail, fail_if_mistake, passed, to_numpy, references
+from rlcourse.grading._routes import DPO_LOSS, PREFERENCE_OPTIMA, PREFERENCE_TRAINERS
 
 __all__ = ["check_dpo_loss", "check_implicit_reward", "check_ipo_loss", "check_fit_dpo_policy", "check_dpo_step",
            "check_completion_logprobs"]
@@ -56,14 +58,7 @@ def _call_checked(name, case, fn, *tensors_then_rest):
     return got
 
 
-# Every library function that computes the answer (or its core, the log-ratio margin): calling one
-# is not writing the loss. robust_dpo_loss with label_smoothing=0 is DPO's loss; preference_loss
-# with loss_type="sigmoid" is its mean.
-_DPO_LIBRARY = ("rlcourse.losses.dpo:dpo_sigmoid_loss", "rlcourse.losses.dpo:robust_dpo_loss",
-                "rlcourse.losses.dpo:preference_loss", "rlcourse.losses.dpo:dpo_logratio_margin")
-
-
-@references(*_DPO_LIBRARY)
+@references(*DPO_LOSS)
 def check_dpo_loss(fn) -> None:
     """``fn(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta) -> (B,)``:
     ``-log sigmoid(beta * ([log pi(y_w) - log pi_ref(y_w)] - [log pi(y_l) - log pi_ref(y_l)]))``, one per pair."""
@@ -128,7 +123,8 @@ def check_implicit_reward(fn) -> None:
 
 
 @references("rlcourse.losses.dpo:ipo_loss", "rlcourse.losses.dpo:preference_loss",
-            "rlcourse.losses.dpo:dpo_logratio_margin")
+            "rlcourse.losses.dpo:dpo_logratio_margin", "rlcourse.losses.beyond_dpo:preference_objective",
+            *PREFERENCE_TRAINERS)
 def check_ipo_loss(fn) -> None:
     """``fn(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta) -> (B,)``:
     ``(h - 1 / (2 beta))^2`` per pair, ``h`` the log-ratio margin (sequence-level, no length normalisation).
@@ -190,43 +186,90 @@ def _fit_ipo_with(fn) -> tuple[float, float]:
     return float((mine - theirs).abs().max()), float(bandit.kl(theirs, dpo).mean())
 
 
-@references("rlcourse.categorical_bandit:train_tabular_policy", "rlcourse.categorical_bandit:CategoricalBandit.optimal_logprobs",
-            *_DPO_LIBRARY)
-def check_fit_dpo_policy(fn) -> None:
-    """``fn(bandit, pairs, beta) -> (P, K)`` log-probs of a tabular policy fitted by DPO.
+def optimum_of_the_data(bandit, pairs: dict, loss) -> torch.Tensor:
+    """The tabular policy (P, K) that minimises the mean of ``loss(logp, x, chosen, rejected)`` (one loss per
+    comparison) over the comparisons ``pairs``: what a fit to these comparisons converges to, whatever
+    reward they were drawn from. Each distinct comparison is counted once with its frequency as weight;
+    L-BFGS from ``pi_ref`` (:func:`~rlcourse.preference_optima.minimise_expected_loss`)."""
+    from rlcourse.preference_optima import minimise_expected_loss
 
-    Judged by what it measures: on 20000 Bradley-Terry comparisons its KL to the closed-form
-    optimum ``pi* = pi_ref exp(r / beta) / Z`` must be below 0.01 nats per prompt (the
-    reference solution reaches about 0.001).
+    P, K = bandit.n_prompts, bandit.n_answers
+    key = (pairs["prompt"] * K + pairs["chosen"]) * K + pairs["rejected"]
+    counts = torch.bincount(key, minlength=P * K * K).double()
+    seen = torch.nonzero(counts).flatten()
+    x, a, b, w = seen // (K * K), seen // K % K, seen % K, counts[seen] / counts.sum()
+    fit = minimise_expected_loss(bandit, lambda logp: (w * loss(logp, x, a, b)).sum())
+    assert fit["grad"] < 1e-6, "these comparisons have no finite optimum: choose another sample"
+    return fit["logprobs"]
+
+
+def fitted_table(name: str, case: str, got, bandit) -> torch.Tensor:
+    """The learner's table as float64 log-probs (P, K), or a failure saying what it is."""
+    __tracebackhide__ = True
+    if got is None:
+        fail(name, case, "a (P, K) tensor of log-probs", None, "did you forget `return`?")
+    got = torch.as_tensor(to_numpy(got), dtype=torch.float64)
+    if got.shape != bandit.ref_logprobs.shape:
+        fail(name, case, f"shape {tuple(bandit.ref_logprobs.shape)}", f"shape {tuple(got.shape)}",
+             "return log-probs, one row per prompt and one column per answer")
+    sums = got.exp().sum(-1)
+    if not torch.allclose(sums, torch.ones_like(sums), atol=1e-6):
+        fail(name, case, "rows of log-probs (exp sums to 1)", sums,
+             "return torch.log_softmax(logits, -1), not the logits")
+    return got
+
+
+# (bandit, beta, comparisons, their seed). With 200 comparisons the data imply a policy 0.12 and 0.09 nats
+# from pi*, so a closed form typed from the bandit's reward fails; with 20000 it is 0.0003 from pi*.
+FIT_DPO_CASES = [({"n_prompts": 3, "n_answers": 4, "reward_scale": 1.5, "seed": 11}, 0.5, 200, 36),
+                 ({"n_prompts": 2, "n_answers": 5, "reward_scale": 1.0, "seed": 12}, 1.0, 200, 10),
+                 ({"n_prompts": 2, "n_answers": 5, "reward_scale": 1.0, "seed": 12}, 1.0, 20000, 6)]
+FIT_TOLERANCE = 2e-3     # nats of KL per prompt; the solution lands within 1e-12
+
+
+@references(*PREFERENCE_OPTIMA, *DPO_LOSS)
+def check_fit_dpo_policy(fn) -> None:
+    """``fn(bandit, pairs, beta) -> (P, K)`` log-probs of a tabular policy fitted by DPO to ``pairs``.
+
+    Judged by where it lands: each sample of Bradley-Terry comparisons implies one policy, the minimiser
+    of the mean DPO loss over them (:func:`optimum_of_the_data`, found here by L-BFGS), and the fit must
+    be within 0.002 nats of KL per prompt of it. With 200 comparisons that policy is 0.09 to 0.12 nats
+    from the closed-form optimum ``pi* = pi_ref exp(r / beta) / Z`` of the hidden reward, which only a
+    fit to these comparisons finds; with 20000 it is 0.0003 from ``pi*``: DPO recovers the optimum from
+    comparisons alone.
     """
     __tracebackhide__ = True
     from rlcourse.categorical_bandit import CategoricalBandit
 
     name = "check_fit_dpo_policy"
-    cases = [(CategoricalBandit.random(n_prompts=3, n_answers=4, reward_scale=1.5, seed=11), 0.5, 5),
-             (CategoricalBandit.random(n_prompts=2, n_answers=5, reward_scale=1.0, seed=12), 1.0, 6)]
-    for bandit, beta, data_seed in cases:
-        case = f"{bandit.n_prompts} prompts x {bandit.n_answers} answers, beta={beta}, 20000 pairs"
-        pairs = bandit.sample_pairs(20000, rng=data_seed)
-        got = fn(bandit, {k: v.clone() for k, v in pairs.items()}, beta)
-        if got is None:
-            fail(name, case, "a (P, K) tensor of log-probs", None, "did you forget `return`?")
-        got = torch.as_tensor(_grad_free(got), dtype=torch.float64)
-        if got.shape != bandit.ref_logprobs.shape:
-            fail(name, case, f"shape {tuple(bandit.ref_logprobs.shape)}", f"shape {tuple(got.shape)}",
-                 "return log-probs, one row per prompt and one column per answer")
-        if not torch.allclose(got.exp().sum(-1), torch.ones(bandit.n_prompts, dtype=torch.float64), atol=1e-6):
-            fail(name, case, "rows of log-probs (exp sums to 1)", got.exp().sum(-1),
-                 "return torch.log_softmax(logits, -1), not the logits")
-        kl = float(bandit.kl(got, bandit.optimal_logprobs(beta)).mean())
-        if not kl < 0.01:
+    worst, to_pi_star = 0.0, {}
+    for kwargs, beta, n, data_seed in FIT_DPO_CASES:
+        bandit = CategoricalBandit.random(**kwargs)
+        case = f"{bandit.n_prompts} prompts x {bandit.n_answers} answers, beta={beta}, {n} comparisons"
+        pairs = bandit.sample_pairs(n, rng=data_seed)
+        got = fitted_table(name, case, fn(bandit, {k: v.clone() for k, v in pairs.items()}, beta), bandit)
+        ref = bandit.ref_logprobs
+        target = optimum_of_the_data(bandit, pairs, lambda lp, x, a, b: torch.nn.functional.softplus(
+            -beta * ((lp[x, a] - ref[x, a]) - (lp[x, b] - ref[x, b]))))
+        pi_star = bandit.optimal_logprobs(beta)
+        kl = float(bandit.kl(got, target).mean())
+        to_pi_star[n] = max(to_pi_star.get(n, 0.0), float(bandit.kl(pi_star, target).mean()))
+        if not kl < FIT_TOLERANCE:
             hint = "train longer or with a larger learning rate (full-batch Adam, a few hundred steps)"
-            if float(bandit.kl(got).mean()) < 1e-6:
+            if float(bandit.kl(got, pi_star).mean()) < 1e-6:
+                hint = (f"this is pi* = pi_ref exp(r / beta) / Z, computed from the bandit's reward, not a fit to "
+                        f"these comparisons: {n} of them lead DPO to a policy {to_pi_star[n]:.3f} nats from pi*. "
+                        f"Minimise the mean DPO loss over pairs")
+            elif float(bandit.kl(got).mean()) < 1e-6:
                 hint = "the policy never left pi_ref: is the optimiser stepping on the logits you return?"
-            elif float(bandit.kl(got, torch.log_softmax(bandit.reward / beta, -1)).mean()) < kl:
+            elif float(bandit.kl(got, torch.log_softmax(target - ref, -1)).mean()) < kl:
                 hint = "it looks like the reference was left out of the log-ratios"
-            fail(name, case, "KL(pi_fit || pi*) < 0.01", f"KL = {kl:.4f}", hint)
-    passed(name, len(cases))
+            fail(name, case, f"KL(pi_fit || the policy these comparisons imply) < {FIT_TOLERANCE}", f"KL = {kl:.4f}",
+                 hint)
+        worst = max(worst, kl)
+    print(f"✔ {name}: all {len(FIT_DPO_CASES)} cases passed; each fit lands on the policy its comparisons imply "
+          f"(KL at most {worst:.0e}), which is {to_pi_star[200]:.3f} nats from pi* with 200 comparisons and "
+          f"{to_pi_star[20000]:.4f} with 20000")
 
 
 def _preference_start():
@@ -265,31 +308,35 @@ def _as_float(x):
 DPO_STEP_LEARNING = {"steps": 30, "pairs": 32, "lr": 1e-3, "beta": 0.1, "held_out": 500, "accuracy": 0.6}
 
 
-@references("rlcourse.lm.dpo:train_dpo", "rlcourse.lm.dpo:batch_loss", *_DPO_LIBRARY)
+@references(*DPO_LOSS)
 def check_dpo_step(fn) -> None:
     """``fn(model, ref_model, optimizer, batch, beta) -> loss``: one DPO update on a batch of pairs
     (:func:`rlcourse.lm.reward_model.encode_preference_pairs`' layout, chosen rows first). Checked by
     the gradient two calls hand the optimiser (against the reference step from the same weights), then
     by 30 steps from ``preference-sft``: the implicit reward must order at least 60% of 500 held-out
-    pairs the way the labels do (it orders none before training: every implicit reward is 0)."""
+    pairs the way the labels do (it orders none before training: every implicit reward is 0). The
+    second beta's calls hand over a reference other than the policy's start, so a reference taken from
+    anywhere but ``ref_model`` is seen from the first call."""
     __tracebackhide__ = True
     import math
 
     import numpy as np
 
-    from rlcourse.grading._steps import assert_call_gradient, twin_runs
+    from rlcourse.grading._steps import assert_call_gradient, moved_copy, twin_runs
     from rlcourse.lm import sequence_logprobs
     from rlcourse.lm.reward_model import encode_preference_pairs
 
     name = "check_dpo_step"
     task, start, ref, tokenizer = _preference_start()
-    for beta in (0.1, 0.5):
+    other = moved_copy(ref, seed=51).requires_grad_(False)      # a reference that is not where the policy starts
+    moved = ", ref_model not the policy's start (preference-sft moved by seeded noise)"
+    for beta, ref_model, which in ((0.1, ref, ""), (0.5, other, moved)):
         mine, theirs, opt_mine, opt_theirs = twin_runs(start, lr=0.5)
         for call in (0, 1):            # the second call: the policy has moved, the reference has not
             batch = encode_preference_pairs(tokenizer, task.preference_pairs(12, rng=50 + call))
-            label = f"beta={beta}, a batch of 12 pairs, call {call + 1}"
-            loss = _as_float(fn(mine, ref, opt_mine, {k: v.clone() for k, v in batch.items()}, beta))
-            expected_loss = _reference_dpo_step(theirs, ref, opt_theirs, batch, beta)
+            label = f"beta={beta}{which}, a batch of 12 pairs, call {call + 1}"
+            loss = _as_float(fn(mine, ref_model, opt_mine, {k: v.clone() for k, v in batch.items()}, beta))
+            expected_loss = _reference_dpo_step(theirs, ref_model, opt_theirs, batch, beta)
             if call == 1 and loss is not None and abs(float(loss) - math.log(2)) < 1e-6 < abs(expected_loss - math.log(2)):
                 fail(name, label, f"loss {expected_loss:.4f}", f"{float(loss):.6f} = log 2",
                      "every implicit reward is 0 although the policy has moved: the reference log-probs must "
@@ -298,7 +345,10 @@ def check_dpo_step(fn) -> None:
                                  "another direction: the chosen rows come first in the batch, then the rejected ones; "
                                  "a sequence's log-prob is the sum over its real tokens; the reference is a constant",
                                  longer="the loss is averaged over another number of terms (one loss per pair, "
-                                        "averaged over the pairs), or beta is applied differently")
+                                        "averaged over the pairs), or beta is applied differently",
+                                 close=None if ref_model is ref else
+                                 "almost the reference's direction: the reference log-probs come from ref_model, "
+                                 "which here is not the model the policy started from")
             if loss is None or abs(float(loss) - expected_loss) > 1e-5:
                 fail(name, label, f"loss {expected_loss:.6f} (the mean over the batch's pairs)", loss,
                      "return the loss the update minimised, as a float")
@@ -351,21 +401,28 @@ def _completion_cases(tokenizer, task):
 
 
 @references("rlcourse.lm.logprobs:sequence_logprobs", "rlcourse.lm.logprobs:completion_logits",
-            "rlcourse.lm.logprobs:token_logprobs_from_logits")
+            "rlcourse.lm.logprobs:token_logprobs_from_logits", "rlcourse.lm.dpo:pair_token_logprobs",
+            "rlcourse.lm.policy_gradient:logits_and_logprobs")
 def check_completion_logprobs(fn) -> None:
     """``fn(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> (B, T)``: the model's
     log-prob of every real completion token, 0 on padding, from one forward pass; compared with
-    :func:`rlcourse.lm.sequence_logprobs` on batches with padding on both sides."""
+    :func:`rlcourse.lm.sequence_logprobs` on batches with padding on both sides, the last on another
+    model. Called with gradients on, as DPO's loss calls it: the gradient of a weighted sum of the
+    log-probs with respect to the weights must equal the course's."""
     __tracebackhide__ = True
+    from rlcourse.grading._steps import moved_copy
     from rlcourse.lm import sequence_logprobs
 
     name = "check_completion_logprobs"
-    task, model, _, tokenizer = _preference_start()
+    task, start, _, tokenizer = _preference_start()
     n = 0
-    for case, b in _completion_cases(tokenizer, task):
+    for i, (case, b) in enumerate(_completion_cases(tokenizer, task)):
+        # the last batch on another model (preference-sft moved by seeded noise): the log-probs are the model's
+        model = start if i < 2 else moved_copy(start, seed=61)
+        case = case if i < 2 else f"{case}, on another model (preference-sft moved by seeded noise)"
         args = (b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"])
+        got = fn(model, *(a.clone() for a in args))              # with gradients on, as DPO's loss calls it
         with torch.no_grad():
-            got = fn(model, *(a.clone() for a in args))
             expected = sequence_logprobs(model, b["prompt_ids"], b["completion_ids"], b["completion_mask"],
                                          b["prompt_mask"])
         if got is not None and tuple(getattr(got, "shape", ())) == tuple(expected.shape):
@@ -383,5 +440,25 @@ def check_completion_logprobs(fn) -> None:
                      "log-probabilities, but not the ones the model gives these tokens after their prefixes")
         assert_close(name, case, expected, got, atol=1e-4, rtol=1e-4,
                      hint="shape (B, T): log pi(y_t | x, y_<t) at real tokens, 0 at padding")
+        # DPO differentiates these log-probs: their gradient must reach the model's weights, as the course's does
+        weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(62 + i), dtype=torch.float64)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not isinstance(got, torch.Tensor) or got.grad_fn is None:
+            fail(name, case, "log-probs with a graph back to the model's weights", "a tensor without a gradient",
+                 "DPO's loss is differentiated through these log-probs: compute them with the model's forward pass "
+                 "and torch operations, without torch.no_grad(), .detach() or .item()")
+        mine = torch.autograd.grad((got.double() * weights).sum(), params, allow_unused=True)
+        course = sequence_logprobs(model, b["prompt_ids"], b["completion_ids"], b["completion_mask"], b["prompt_mask"])
+        theirs = torch.autograd.grad((course.double() * weights).sum(), params)
+        flat = [torch.cat([(torch.zeros_like(p) if g is None else g).flatten().double() for g, p in zip(grads, params)])
+                for grads in (mine, theirs)]
+        if float(flat[0].abs().max()) == 0.0:
+            fail(name, f"{case}: the gradient with respect to the model's weights", "a gradient reaching the model "
+                 "handed over", "none: the log-probs do not depend on its weights",
+                 "compute the log-probs with the model you are given, model(input_ids=..., attention_mask=..., "
+                 "position_ids=...)")
+        assert_close(name, f"{case}: the gradient of a weighted sum of the log-probs with respect to the model's "
+                           f"weights", flat[1], flat[0], atol=1e-5, rtol=1e-3,
+                     hint="the values are right but not their gradient: keep every log-prob on the model's graph")
         n += 1
     passed(name, n)

@@ -97,6 +97,7 @@ def check_intervals_separate(fn) -> None:
     passed(name, len(cases))
 
 
+@references()
 def check_final_validity_intervals(fn, algorithms=("REINFORCE", "RFT"), seeds=(4, 1, 6), budget: int = 256) -> None:
     """``fn(run, algorithms, seeds, cfg) -> {algorithm: (mean, half_width)}`` of the *final* validity.
 
