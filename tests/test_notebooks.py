@@ -105,7 +105,9 @@ def test_grade_command_scores_solutions_and_exercises():
     fresh = run("exercises/01_gridworld_mdp.ipynb")
     assert fresh.returncode == 1
     assert re.search(r"total\s+0 / 6\s+0%", fresh.stdout), fresh.stdout
-    assert "check_discounted_return(discounted_return) not implemented: NotImplementedError" in fresh.stdout
+    assert re.search(r"check_discounted_return\(discounted_return\)\s+not implemented: NotImplementedError", fresh.stdout), \
+        fresh.stdout
+    assert re.search(r"check_discounted_return\(discounted_return\)\s+passed", solved.stdout), solved.stdout
 
 
 def test_grade_command_rejects_a_missing_path():
