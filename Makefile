@@ -67,7 +67,7 @@ bench: $(STAMP)
 	$(BIN)/python -m rlcourse.bench
 
 # The course as a static website in _build/html, from the committed notebooks (nothing re-run,
-# nothing downloaded), then checked: see rlcourse/tools/book.py. Publish _build/html anywhere.
+# nothing downloaded), then checked: see rlcourse/tools/book/build.py. Publish _build/html anywhere.
 book: $(STAMP)
 	$(BIN)/python -m rlcourse.tools.book
 

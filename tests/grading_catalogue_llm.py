@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from rlcourse.stats import t_interval
-from rlcourse.lm.trl_bridge import grpo_config_kwargs
+from rlcourse.interop.trl_bridge import grpo_config_kwargs
 
 
 # ------------------------------------------------------------------ an exponential that underflows under a log
@@ -168,7 +168,7 @@ def token_gae_over_the_first_positions(rewards, values, mask, gamma, lam):
 
 # ------------------------------------------------------------------ a reported result, not the thing measured (08-11b)
 def length_bias_reported(loss_type, seed):                # the lesson's curve, not the trained policy's table
-    from rlcourse.lm.length_bias import wrong_answer_lengths
+    from rlcourse.measure.length_bias import wrong_answer_lengths
     return wrong_answer_lengths(loss_type, seed)
 
 
@@ -181,13 +181,13 @@ def fit_dpo_closed_form(bandit, pairs, beta):            # pi* from the hidden r
 
 
 def fit_simpo_closed_form(bandit, pairs, lengths, beta):
-    from rlcourse.preference_optima import simpo_optimum
+    from rlcourse.measure.preference_optima import simpo_optimum
     return simpo_optimum(bandit.reward, lengths, beta)
 
 
 # ------------------------------------------------------------------ an input the check used to hold at one value
 def audit_with_the_lesson_gold_score(pairs, gold_score):
-    from rlcourse.lm.preference import PreferenceTask
+    from rlcourse.tasks.preference import PreferenceTask
     gold = PreferenceTask().gold_score                     # the argument ignored
 
     def share(values):

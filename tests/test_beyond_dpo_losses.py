@@ -14,10 +14,10 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 import torch.nn.functional as F
 
-from rlcourse.categorical_bandit import CategoricalBandit
+from rlcourse.measure.categorical_bandit import CategoricalBandit
 from rlcourse.losses import (average_logps, dpo_sigmoid_loss, kto_loss, kto_reference_point, online_dpo_pairs,
                              orpo_log_odds_ratio, orpo_loss, preference_objective, rdpo_loss, simpo_loss)
-from rlcourse.preference_optima import (expected_preference_loss, labelled_pairs, minimise_expected_loss,
+from rlcourse.measure.preference_optima import (expected_preference_loss, labelled_pairs, minimise_expected_loss,
                                         simpo_optimum)
 from rlcourse.regularised_optimum import kl_regularised_optimum
 

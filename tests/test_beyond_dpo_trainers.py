@@ -13,12 +13,14 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 import torch.nn.functional as F
 
-from rlcourse.lm import PreferenceTask, load_checkpoint
-from rlcourse.lm.dpo import (DPOConfig, _reference_logps, kto_mismatched_pairs, pair_token_logprobs, select_pairs,
+from rlcourse.tasks import PreferenceTask
+from rlcourse.lm import load_checkpoint
+from rlcourse.trainers.dpo import (DPOConfig, _reference_logps, kto_mismatched_pairs, pair_token_logprobs, select_pairs,
                              train_dpo)
-from rlcourse.lm.online_dpo import BradleyTerryRater, OnlineDPOConfig, OnlineDPOTrainer
-from rlcourse.lm.reward_model import ScalarHeadModel, encode_preference_pairs
-from rlcourse.lm.seed_batched_dpo import train_dpo_seeds
+from rlcourse.trainers.online_dpo import BradleyTerryRater, OnlineDPOConfig, OnlineDPOTrainer
+from rlcourse.lm.scalar_head import ScalarHeadModel
+from rlcourse.tasks.reward_model import encode_preference_pairs
+from rlcourse.trainers.dpo_seeds import train_dpo_seeds
 from rlcourse.losses import kto_loss, kto_reference_point, online_dpo_pairs, dpo_sigmoid_loss
 from seed_helpers import perturbed_copies
 
@@ -94,7 +96,7 @@ def _with_seed(args, seed):
 
 def test_reference_free_runs_hold_no_reference(checkpoint, pairs, monkeypatch):
     """SimPO and ORPO never build or run a reference: frozen_copy is not called."""
-    import rlcourse.lm.dpo as dpo_module
+    import rlcourse.trainers.dpo as dpo_module
 
     model, tok = checkpoint
     monkeypatch.setattr(dpo_module, "frozen_copy", lambda m: pytest.fail("a reference copy was made"))

@@ -1,4 +1,4 @@
-"""The web book (``make book``, rlcourse.tools.book and book_check).
+"""The web book (``make book``: rlcourse.tools.book.build and rlcourse.tools.book.check).
 
 The course's own site is built once (about 20 s) and must pass every check with no warning from
 the build. The checks themselves are tested on a two-lesson course made here: each defect put into
@@ -14,7 +14,8 @@ import pytest
 from bs4 import BeautifulSoup
 
 import rlcourse  # noqa: F401  (before torch, as everywhere)
-from rlcourse.tools import book, book_check
+from rlcourse.tools.book import build as book
+from rlcourse.tools.book import check as book_check
 from rlcourse.tools.make_exercises import lesson_notebooks
 
 PNG = base64.b64encode(bytes.fromhex(

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import rlcourse  # noqa: F401  (before torch)
-from rlcourse.capstone import (ALGORITHMS, MODELS_HELD, CapstoneConfig, curve_band, evaluate_start, paired_difference,
+from rlcourse.measure.capstone import (ALGORITHMS, MODELS_HELD, CapstoneConfig, curve_band, evaluate_start, paired_difference,
                                run, start_results, summary)
 from rlcourse.stats import intervals_separate, t_interval
 
@@ -59,7 +59,7 @@ def test_a_step_that_passes_two_marks_consumes_both():
     """budget 128 in 4 marks (32, 64, 96, 128) and 64 completions per step: each step passes two marks. Every
     mark gets its row (one evaluation per step, shared by the marks it passed), and the last row is the final
     evaluation, with final_samples_per_target; alone and seed-batched."""
-    from rlcourse.capstone import run_seeds
+    from rlcourse.measure.capstone import run_seeds
 
     cfg = CapstoneConfig(budget=128, eval_points=4, eval_samples_per_target=4, final_samples_per_target=8,
                          pass_k=(1, 4, 8))
@@ -84,7 +84,7 @@ def test_bad_algorithm_or_budget_raises_naming_the_argument():
 
 def test_run_seeds_gives_each_seed_the_run_of_that_seed_alone():
     """The seed-batched capstone run equals run() seed by seed (the same draws; evaluations agree)."""
-    from rlcourse.capstone import SEED_BATCHED, run_seeds
+    from rlcourse.measure.capstone import SEED_BATCHED, run_seeds
 
     assert "DAPO" not in SEED_BATCHED and "RFT" not in SEED_BATCHED
     assert {"REINFORCE", "GSPO", "PPO", "DPO", "Online DPO"} <= set(SEED_BATCHED)
@@ -102,7 +102,7 @@ def test_run_seeds_gives_each_seed_the_run_of_that_seed_alone():
 
 
 def test_paired_difference_is_the_t_interval_of_seedwise_differences():
-    from rlcourse.capstone import paired_difference
+    from rlcourse.measure.capstone import paired_difference
 
     def result(algorithm, seed, v):
         return {"algorithm": algorithm, "seed": seed, "curve": [{"validity": 0.0}, {"validity": v}]}

@@ -5,7 +5,7 @@ import pytest
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.categorical_bandit import CategoricalBandit, train_tabular_policy
+from rlcourse.measure.categorical_bandit import CategoricalBandit, train_tabular_policy
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from itertools import combinations, product
 
 import pytest
 
-from rlcourse.lm.coverage import coverage, pass_at_k
+from rlcourse.measure.coverage import coverage, pass_at_k
 
 
 def _brute_force(outcomes, k):

@@ -7,10 +7,11 @@ import pytest
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.lm import PreferenceTask, build_char_tokenizer, load_checkpoint, sample, sequence_logprobs
-from rlcourse.lm.dpo import (DPOConfig, select_pairs, check_preference_pairs, pair_token_logprobs, reward_and_kl,
+from rlcourse.tasks import PreferenceTask
+from rlcourse.lm import build_char_tokenizer, load_checkpoint, sample, sequence_logprobs
+from rlcourse.trainers.dpo import (DPOConfig, select_pairs, check_preference_pairs, pair_token_logprobs, reward_and_kl,
                              train_dpo)
-from rlcourse.lm.reward_model import encode_preference_pairs
+from rlcourse.tasks.reward_model import encode_preference_pairs
 
 PAIRS = [{"prompt": "ab:", "chosen": "abba", "rejected": "h"},
          {"prompt": "ce:", "chosen": "cd", "rejected": "hgfeh"},
@@ -168,8 +169,8 @@ def test_reward_and_kl_agrees_with_the_plain_log_ratio_estimate(checkpoint):
 def test_junk_on_padding_changes_nothing(checkpoint, monkeypatch, loss_type):
     """Token log-probs off the completion mask may hold anything (NaN, inf): train_dpo and batch_loss select them
     away, so a forward whose padding holds junk trains exactly as one whose padding holds 0."""
-    import rlcourse.lm.dpo as dpo_module
-    from rlcourse.lm.dpo import batch_loss
+    import rlcourse.trainers.dpo as dpo_module
+    from rlcourse.trainers.dpo import batch_loss
 
     model, tok = checkpoint
     pairs = PreferenceTask().preference_pairs(12, rng=5)

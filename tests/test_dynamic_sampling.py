@@ -10,8 +10,8 @@ import rlcourse  # noqa: F401
 import torch
 
 from rlcourse.lm import load_checkpoint, sequence_logprobs
-from rlcourse.lm.dynamic_sampling import fill_batch, informative_groups
-from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+from rlcourse.trainers.dynamic_sampling import fill_batch, informative_groups
+from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
 
 K = 4
 
@@ -154,7 +154,7 @@ def test_kl_in_reward_reference_and_truncation_masks_on_a_refilled_batch(checkpo
 
 def _ragged_lengths(monkeypatch):
     """The sampler with completion lengths 1, 2, 3, 1, 2, 3, ... row by row: every group holds different lengths."""
-    import rlcourse.lm.policy_gradient as pg
+    import rlcourse.trainers.policy_gradient as pg
     real = pg.sample
 
     def ragged(*args, **kwargs):

@@ -7,7 +7,7 @@ import rlcourse  # noqa: F401
 import torch
 
 from rlcourse.kl import kl_k1, kl_k2, kl_k3
-from rlcourse.lm.exact_oracle import (ESTIMATORS, EnumerablePolicy, estimator_stats, expected_gradient,
+from rlcourse.measure.exact_gradient import (ESTIMATORS, EnumerablePolicy, estimator_stats, expected_gradient,
                                       gradient_estimates)
 
 

@@ -18,7 +18,7 @@ import cloudpickle
 import torch
 import torch.nn.functional as F
 
-from rlcourse.capstone import CapstoneConfig
+from rlcourse.measure.capstone import CapstoneConfig
 from rlcourse.losses.dpo import _check_beta, dpo_logratio_margin   # what a pasted reference imports
 from rlcourse.tools import grade_runner
 from rlcourse.tools import grade_wire as wire
@@ -199,7 +199,7 @@ def dpo_through_the_robust_loss(cw, cl, rw, rl, beta):      # label_smoothing=0 
 
 
 def fit_with_the_library_trainer(bandit, pairs, beta):
-    from rlcourse.categorical_bandit import train_tabular_policy
+    from rlcourse.measure.categorical_bandit import train_tabular_policy
     return train_tabular_policy(bandit, pairs, beta)["logprobs"]
 
 
@@ -209,7 +209,7 @@ def fit_by_returning_the_closed_form(bandit, pairs, beta):
 
 @pytest.mark.parametrize("check, answer, says", [
     ("check_dpo_loss", dpo_through_the_robust_loss, "rlcourse.losses.dpo:robust_dpo_loss"),
-    ("check_fit_dpo_policy", fit_with_the_library_trainer, "rlcourse.categorical_bandit:train_tabular_policy"),
+    ("check_fit_dpo_policy", fit_with_the_library_trainer, "rlcourse.measure.categorical_bandit:train_tabular_policy"),
     ("check_fit_dpo_policy", fit_by_returning_the_closed_form, "CategoricalBandit.optimal_logprobs"),
 ], ids=lambda x: getattr(x, "__name__", None) if callable(x) else None)
 def test_a_library_function_that_computes_the_answer_is_a_reference(check, answer, says, tmp_path):
@@ -276,7 +276,7 @@ def reward_func_ok(task):
 
 
 def grpo_kwargs_never_refuses(config, task):
-    from rlcourse.lm.trl_bridge import OURS_ONLY
+    from rlcourse.interop.trl_bridge import OURS_ONLY
     return {k: v for k, v in dataclasses.asdict(config).items() if k not in OURS_ONLY}
 
 

@@ -6,7 +6,7 @@ from grading_asserts import assert_fails, assert_passes
 from rlcourse import returns, tabular
 from rlcourse.grading import (CheckFailed, check_bellman_expectation_backup, check_discounted_return,
                               check_greedy_policy, check_q_learning_run, check_q_learning_update, check_value_iteration)
-from rlcourse.grading.lesson01 import _mdp
+from rlcourse.grading.classic.lesson01 import _mdp
 
 
 # ----------------------------------------------------------------------------- reference answers

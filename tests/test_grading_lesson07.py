@@ -4,7 +4,7 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from grading_asserts import grading_tests
-from rlcourse.grading.lesson07 import (check_entropy_by_sampling, check_gather_token_logprobs,
+from rlcourse.grading.llm.lesson07 import (check_entropy_by_sampling, check_gather_token_logprobs,
                                        check_sequence_logprob, check_token_entropy)
 
 

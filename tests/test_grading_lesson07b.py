@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grading_asserts import assert_fails, assert_passes, grading_tests
-from rlcourse.grading.lesson07b import check_exact_kl, check_kl_estimators, check_kl_k3
+from rlcourse.grading.llm.lesson07b import check_exact_kl, check_kl_estimators, check_kl_k3
 
 
 # --- the exact KL over the vocabulary ------------------------------------------------------------

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from rlcourse.grading import (CheckFailed, check_bradley_terry_loss, check_eos_experiment,
                               check_kl_shaped_rewards, check_ppo_losses, check_ppo_update, check_score_at_last_token,
                               check_token_gae)
-from rlcourse.lm.ppo_rlhf import kl_shaped_rewards
-from rlcourse.lm.reward_model import score_at_last_token
+from rlcourse.trainers.ppo_rlhf import kl_shaped_rewards
+from rlcourse.lm.scalar_head import score_at_last_token
 from rlcourse.losses import bradley_terry_loss
 from rlcourse.returns import gae
 from grading_asserts import mistake_tests
@@ -91,8 +91,10 @@ def test_token_gae(capsys):
 
 @pytest.fixture(scope="module")
 def eos_setup():
-    from rlcourse.lm import PreferenceTask, load_checkpoint
-    from rlcourse.lm.reward_model import ScalarHeadModel, train_reward_model
+    from rlcourse.tasks import PreferenceTask
+    from rlcourse.lm import load_checkpoint
+    from rlcourse.lm.scalar_head import ScalarHeadModel
+    from rlcourse.tasks.reward_model import train_reward_model
 
     task = PreferenceTask()
     policy, tok = load_checkpoint("preference-sft", device="cpu")
@@ -104,7 +106,7 @@ def eos_setup():
 
 def test_eos_experiment(eos_setup, capsys):
     from rlcourse.lm import load_checkpoint
-    from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer
+    from rlcourse.trainers.ppo_rlhf import PPOConfig, PPORLHFTrainer
     from rlcourse.lm.value_model import make_value_model
 
     task, policy, tok, rm = eos_setup

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from grading_asserts import grading_tests
-from rlcourse.grading.lesson08b import check_audit_labels, check_kl_regularised_optimum, check_optimum_stats
+from rlcourse.grading.llm.lesson08b import check_audit_labels, check_kl_regularised_optimum, check_optimum_stats
 
 
 def optimum_ok(ref_logprobs, rewards, kl_coef):
@@ -196,7 +196,7 @@ def audit_gold_of_chosen_positive(pairs, gold_score):
 
 
 def audit_lesson_gold_score(pairs, gold_score):      # the argument ignored: lesson 08's gold score, always
-    from rlcourse.lm.preference import PreferenceTask
+    from rlcourse.tasks.preference import PreferenceTask
     return _shares(pairs, PreferenceTask().gold_score)
 
 

@@ -5,7 +5,7 @@ import rlcourse  # noqa: F401
 import torch
 
 from rlcourse.grading import CheckFailed
-from rlcourse.grading.lesson09 import (check_leave_one_out_advantages, check_policy_gradient_loss,
+from rlcourse.grading.llm.lesson09 import (check_leave_one_out_advantages, check_policy_gradient_loss,
                                        check_rloo_gradient_estimate, check_rloo_kl_step, check_rloo_step)
 from rlcourse.lm import sample, sequence_logprobs
 from grading_asserts import mistake_tests
@@ -214,7 +214,7 @@ def test_a_float32_baseline_is_told_about_precision():
 
 def test_an_unchanged_nan_is_not_a_mutation():
     """NaN != NaN: an input holding NaN, left as it was, is not reported as written into."""
-    from rlcourse.grading.lesson09 import _call_unmutated
+    from rlcourse.grading.llm.lesson09 import _call_unmutated
 
     x = torch.tensor([1.0, float("nan"), 2.0])
     assert _call_unmutated("check", "case", lambda t: t * 2, x).isnan().sum() == 1

@@ -8,11 +8,11 @@ import rlcourse  # noqa: F401
 import torch
 
 from rlcourse.grading import CheckFailed
-from rlcourse.grading.lesson10 import (check_aggregate_loss, check_group_advantages, check_grpo_loss, check_grpo_step,
+from rlcourse.grading.llm.lesson10 import (check_aggregate_loss, check_group_advantages, check_grpo_loss, check_grpo_step,
                                        check_grpo_update,
                                        check_length_bias_experiment, check_sequence_ratio, check_variant_losses)
 from rlcourse.lm import sample, sequence_logprobs
-from rlcourse.lm.length_bias import wrong_answer_lengths
+from rlcourse.measure.length_bias import wrong_answer_lengths
 from rlcourse.losses import group_advantages
 
 
@@ -157,7 +157,7 @@ def test_sequence_ratio_check_catches(wrong):
 
 def length_bias_run(loss_type, seed, *, aggregate_as=None, steps=60, seed_used=None):
     """Exercise 4 as its text states it, with the course's loss pieces: the trained policy's logits."""
-    from rlcourse.lm.exact_oracle import EnumerablePolicy
+    from rlcourse.measure.exact_gradient import EnumerablePolicy
     from rlcourse.losses import aggregate_loss, per_token_loss
 
     seed = seed if seed_used is None else seed_used
@@ -185,7 +185,7 @@ def length_bias_reported(loss_type, seed):
 
 def length_bias_module(loss_type, seed):
     """The trained module itself: the check asks for its table."""
-    from rlcourse.lm.exact_oracle import EnumerablePolicy
+    from rlcourse.measure.exact_gradient import EnumerablePolicy
     trained = length_bias_run(loss_type, seed)
     policy = EnumerablePolicy(vocab_size=3, max_len=6, seed=seed, init_scale=0.5)
     with torch.no_grad():

@@ -10,7 +10,7 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from grading_asserts import assert_fails, grading_tests
-from rlcourse.grading.lesson10b import (check_high_entropy_mask, check_overlong_penalty, check_pass_at_k,
+from rlcourse.grading.llm.lesson10b import (check_high_entropy_mask, check_overlong_penalty, check_pass_at_k,
                                         check_reward_experiment, check_strict_answer)
 
 
@@ -365,7 +365,7 @@ test_right_answers_pass, test_wrong_answers_fail_with_a_hint = grading_tests(RIG
 
 def test_held_back_completions_are_not_in_the_exercise_text():
     """The exercise lists SHOWN; a checker that special-cases only those still meets HELD_BACK."""
-    from rlcourse.grading.lesson10b import HELD_BACK, SHOWN
+    from rlcourse.grading.llm.lesson10b import HELD_BACK, SHOWN
 
     shown = {c for c, _ in SHOWN}
 

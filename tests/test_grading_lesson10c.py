@@ -9,7 +9,7 @@ import pytest
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.grading.lesson10c import (check_mismatch_correction, check_mismatch_run, check_off_policy_mask,
+from rlcourse.grading.llm.lesson10c import (check_mismatch_correction, check_mismatch_run, check_off_policy_mask,
                                         check_off_policy_step, check_off_policy_update, check_sampler_weights)
 from grading_asserts import assert_fails, grading_tests, mistake_tests
 
@@ -161,10 +161,11 @@ test_right_answers_pass, test_wrong_answers_fail_with_a_hint = grading_tests(RIG
 def mismatch_run(start, tokenizer, settings, *, bits=3, use_sampler=True, pass_settings=True, train=True,
                  seeds=tuple(range(8)), from_the_checkpoint=False):
     """The experiment as exercise 3 states it (seed-batched: the 8 seeds train together): the trained policies."""
-    from rlcourse.lm import AdditionTask, load_checkpoint
-    from rlcourse.lm.off_policy import CopySampler, quantised_copy
-    from rlcourse.lm.policy_gradient import PolicyGradientConfig
-    from rlcourse.lm.seed_batched import SeedBatchedPolicyGradientTrainer
+    from rlcourse.tasks import AdditionTask
+    from rlcourse.lm import load_checkpoint
+    from rlcourse.lm.off_policy_samplers import CopySampler, quantised_copy
+    from rlcourse.trainers.policy_gradient import PolicyGradientConfig
+    from rlcourse.trainers.policy_gradient_seeds import SeedBatchedPolicyGradientTrainer
 
     task = AdditionTask()
     if from_the_checkpoint:                      # `start` ignored: the checkpoint loaded again
@@ -238,7 +239,7 @@ def test_the_correction_check_catches(settings, hint):
 # ------------------------------------------------------------------ exercise 5: one off-policy GRPO step
 def _own_3_bit_sampler():
     """The sampler an answer that ignores its `sampler` argument would build: the lesson's 3-bit copy."""
-    from rlcourse.lm.off_policy import CopySampler, quantised_copy
+    from rlcourse.lm.off_policy_samplers import CopySampler, quantised_copy
 
     return CopySampler(functools.partial(quantised_copy, bits=3))
 

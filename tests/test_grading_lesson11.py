@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from grading_asserts import grading_tests, mistake_tests
-from rlcourse.grading.lesson11 import (check_completion_logprobs, check_dpo_loss, check_dpo_step, check_fit_dpo_policy,
+from rlcourse.grading.llm.lesson11 import (check_completion_logprobs, check_dpo_loss, check_dpo_step, check_fit_dpo_policy,
                                        check_implicit_reward, check_ipo_loss)
 from rlcourse.grading import CheckFailed
 from rlcourse.lm import sequence_logprobs
-from rlcourse.categorical_bandit import train_tabular_policy
+from rlcourse.measure.categorical_bandit import train_tabular_policy
 
 
 # --- the DPO loss ------------------------------------------------------------------------------

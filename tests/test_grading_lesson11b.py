@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from grading_asserts import grading_tests, mistake_tests
-from rlcourse.grading.lesson11b import (check_fit_simpo_policy, check_kto_loss, check_online_dpo_pairs,
+from rlcourse.grading.llm.lesson11b import (check_fit_simpo_policy, check_kto_loss, check_online_dpo_pairs,
                                         check_online_dpo_step, check_orpo_loss, check_simpo_loss,
                                         check_train_online_dpo)
 from rlcourse.lm import frozen_copy, sample, sequence_logprobs
@@ -486,7 +486,7 @@ def fit_simpo_too_few_steps(bandit, pairs, lengths, beta):
 
 
 def fit_simpo_closed_form(bandit, pairs, lengths, beta):      # reads no comparison: the hidden reward's optimum
-    from rlcourse.preference_optima import simpo_optimum
+    from rlcourse.measure.preference_optima import simpo_optimum
     return simpo_optimum(bandit.reward, lengths, beta)
 
 

@@ -6,8 +6,8 @@ import pytest
 import rlcourse  # noqa: F401
 
 from rlcourse.grading import CheckFailed
-from rlcourse.grading.lesson13 import check_grpo_kwargs, check_really_distributed, check_reward_func
-from rlcourse.lm.trl_bridge import OURS_ONLY, grpo_config_kwargs, task_reward_func
+from rlcourse.grading.llm.lesson13 import check_grpo_kwargs, check_really_distributed, check_reward_func
+from rlcourse.interop.trl_bridge import OURS_ONLY, grpo_config_kwargs, task_reward_func
 
 
 # ---------------------------------------------------------------- check_grpo_kwargs
@@ -212,10 +212,10 @@ def test_really_distributed_check_catches(wrong):
 def test_bridge_kwargs_build_trl_configs_that_hold_our_values(tmp_path):
     import trl
 
-    from rlcourse.lm import AdditionTask
-    from rlcourse.lm.dpo import DPOConfig
-    from rlcourse.lm.policy_gradient import PolicyGradientConfig
-    from rlcourse.lm.trl_bridge import dpo_config_kwargs
+    from rlcourse.tasks import AdditionTask
+    from rlcourse.trainers.dpo import DPOConfig
+    from rlcourse.trainers.policy_gradient import PolicyGradientConfig
+    from rlcourse.interop.trl_bridge import dpo_config_kwargs
 
     ours = PolicyGradientConfig(beta=0.04, epsilon_high=0.28, loss_type="dr_grpo", learning_rate=3e-5)
     kwargs = grpo_config_kwargs(ours, AdditionTask())
@@ -239,7 +239,7 @@ def test_bridge_kwargs_build_trl_configs_that_hold_our_values(tmp_path):
 
 
 def test_preference_dataset_keeps_the_three_columns_and_rejects_others():
-    from rlcourse.lm.trl_bridge import preference_dataset
+    from rlcourse.interop.trl_bridge import preference_dataset
 
     data = preference_dataset([{"prompt": "a", "chosen": "b", "rejected": "c", "extra": 1}])
     assert data.column_names == ["prompt", "chosen", "rejected"] and data[0]["chosen"] == "b"

@@ -112,7 +112,7 @@ def _group(prompts, num_generations):
 
 def grpo_step_calling_the_graders_reference(model, optimizer, tokenizer, task, prompts, generator, num_generations=8,
                                             loss_type="dapo", epsilon=0.2, epsilon_high=None):
-    from rlcourse.grading.lesson10 import _reference_update
+    from rlcourse.grading.llm.lesson10 import _reference_update
     return _reference_update(model, optimizer, tokenizer, task, prompts, generator, num_generations, loss_type,
                              epsilon, epsilon_high)[0]
 
@@ -136,7 +136,7 @@ def _own_group_advantages(rewards, num_generations):
 
 def grpo_step_with_the_trainers_loss(model, optimizer, tokenizer, task, prompts, generator, num_generations=8,
                                      loss_type="dapo", epsilon=0.2, epsilon_high=None):
-    from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer, _Batch
+    from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer, _Batch
 
     group, roll, rewards = _sampled(model, tokenizer, task, prompts, generator, num_generations)
     config = PolicyGradientConfig(loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high,
@@ -153,7 +153,7 @@ def grpo_step_with_the_trainers_loss(model, optimizer, tokenizer, task, prompts,
 
 def grpo_step_with_the_trainers_step(model, optimizer, tokenizer, task, prompts, generator, num_generations=8,
                                      loss_type="dapo", epsilon=0.2, epsilon_high=None):
-    from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+    from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
 
     config = PolicyGradientConfig(loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high, max_grad_norm=None,
                                   num_generations=num_generations, per_device_train_batch_size=len(prompts) * num_generations)
@@ -204,13 +204,13 @@ def grpo_step_with_ppos_clipped_objective(model, optimizer, tokenizer, task, pro
 
 def grpo_update_calling_the_graders_reference(model, optimizer, tokenizer, task, prompts, generator, num_generations=8,
                                               temperature=0.7, num_iterations=2, epsilon=0.2):
-    from rlcourse.grading.lesson10 import _reference_update
+    from rlcourse.grading.llm.lesson10 import _reference_update
     return _reference_update(model, optimizer, tokenizer, task, prompts, generator, num_generations, "dapo", epsilon,
                              None, temperature, num_iterations)[1]
 
 
 def rloo_step_calling_the_graders_reference(model, optimizer, tokenizer, task, prompts, generator, num_generations=8):
-    from rlcourse.grading.lesson09 import _reference_rloo_step
+    from rlcourse.grading.llm.lesson09 import _reference_rloo_step
     return _reference_rloo_step(model, optimizer, tokenizer, task, prompts, generator, num_generations)[0]
 
 
@@ -233,7 +233,7 @@ def rloo_step_with_the_librarys_rloo_loss(model, optimizer, tokenizer, task, pro
 
 
 def rloo_step_with_the_trainers_loss(model, optimizer, tokenizer, task, prompts, generator, num_generations=8):
-    from rlcourse.lm.policy_gradient import PolicyGradientConfig, _Batch, logits_and_logprobs, loss_and_stats
+    from rlcourse.trainers.policy_gradient import PolicyGradientConfig, _Batch, logits_and_logprobs, loss_and_stats
 
     group, roll, rewards = _sampled(model, tokenizer, task, prompts, generator, num_generations)
     config = PolicyGradientConfig(loss_type="rloo", advantage_estimator="rloo", num_generations=num_generations,
@@ -250,7 +250,7 @@ def rloo_step_with_the_trainers_loss(model, optimizer, tokenizer, task, prompts,
 
 def rloo_kl_step_calling_the_graders_reference(model, optimizer, tokenizer, task, prompts, generator, num_generations,
                                                ref_model, beta):
-    from rlcourse.grading.lesson09 import _reference_rloo_kl_step
+    from rlcourse.grading.llm.lesson09 import _reference_rloo_kl_step
     return _reference_rloo_kl_step(model, optimizer, tokenizer, task, prompts, generator, num_generations, ref_model,
                                    beta)[0]
 
@@ -260,7 +260,7 @@ def rloo_kl_step_with_ppo_rlhfs_shaped_rewards(model, optimizer, tokenizer, task
     import torch
 
     from rlcourse.lm import sequence_logprobs
-    from rlcourse.lm.ppo_rlhf import kl_shaped_rewards
+    from rlcourse.trainers.ppo_rlhf import kl_shaped_rewards
 
     group, roll, task_rewards = _sampled(model, tokenizer, task, prompts, generator, num_generations)
     mask = roll.completion_mask
@@ -295,7 +295,7 @@ def _stepped(optimizer, loss):
 
 
 def dpo_step_calling_the_graders_reference(model, ref_model, optimizer, batch, beta):
-    from rlcourse.grading.lesson11 import _reference_dpo_step
+    from rlcourse.grading.llm.lesson11 import _reference_dpo_step
     return _reference_dpo_step(model, ref_model, optimizer, batch, beta)
 
 
@@ -328,7 +328,7 @@ def dpo_step_with_rdpo_at_zero(model, ref_model, optimizer, batch, beta):
 
 def dpo_step_with_the_trainers_batch_loss(model, ref_model, optimizer, batch, beta):
     from rlcourse.lm import sequence_logprobs
-    from rlcourse.lm.dpo import DPOConfig, batch_loss
+    from rlcourse.trainers.dpo import DPOConfig, batch_loss
 
     _, _, _, _, ref_chosen, ref_rejected = _dpo_logps(model, ref_model, batch)
     tokens = sequence_logprobs(model, batch["prompt_ids"], batch["completion_ids"], batch["completion_mask"],
@@ -352,21 +352,21 @@ def dpo_loss_with_simpo_at_a_zero_margin(chosen_logps, rejected_logps, ref_chose
 
 def online_dpo_step_calling_the_graders_round(model, ref_model, optimizer, tokenizer, prompts, reward_fn, generator,
                                               num_generations=2, beta=0.1, temperature=1.0, max_new_tokens=8):
-    from rlcourse.grading.lesson11b import _online_round
+    from rlcourse.grading.llm.lesson11b import _online_round
     return _online_round(model, ref_model, optimizer, tokenizer, prompts, reward_fn, generator, num_generations, beta,
                          temperature, max_new_tokens)[:2]
 
 
 def train_online_dpo_calling_the_graders_run(model, optimizer, tokenizer, prompt_batches, reward_fn, generator,
                                              num_generations=2, beta=0.1, max_new_tokens=8, ref_model=None):
-    from rlcourse.grading.lesson11b import _reference_online_dpo
+    from rlcourse.grading.llm.lesson11b import _reference_online_dpo
     return _reference_online_dpo(model, optimizer, tokenizer, prompt_batches, reward_fn, generator, num_generations,
                                  beta, max_new_tokens)
 
 
 def train_online_dpo_with_the_trainer(model, optimizer, tokenizer, prompt_batches, reward_fn, generator,
                                       num_generations=2, beta=0.1, max_new_tokens=8, ref_model=None):
-    from rlcourse.lm.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+    from rlcourse.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     batches = iter(prompt_batches)
     args = OnlineDPOConfig(beta=beta, num_generations=num_generations, max_new_tokens=max_new_tokens,
@@ -379,26 +379,26 @@ def train_online_dpo_with_the_trainer(model, optimizer, tokenizer, prompt_batche
 
 
 CHEATS = [
-    ("check_grpo_step", grpo_step_calling_the_graders_reference, "rlcourse.grading.lesson10:_reference_update"),
+    ("check_grpo_step", grpo_step_calling_the_graders_reference, "rlcourse.grading.llm.lesson10:_reference_update"),
     ("check_grpo_step", grpo_step_with_the_trainers_loss, "PolicyGradientTrainer._loss"),
     ("check_grpo_step", grpo_step_with_the_trainers_step, "PolicyGradientTrainer.step"),
     ("check_grpo_step", grpo_step_from_the_librarys_pieces, "rlcourse.losses.grpo:group_advantages"),
     ("check_grpo_step", grpo_step_with_ppos_clipped_objective, "rlcourse.losses.policy_gradient:ppo_clip_objective"),
-    ("check_grpo_update", grpo_update_calling_the_graders_reference, "rlcourse.grading.lesson10:_reference_update"),
-    ("check_rloo_step", rloo_step_calling_the_graders_reference, "rlcourse.grading.lesson09:_reference_rloo_step"),
+    ("check_grpo_update", grpo_update_calling_the_graders_reference, "rlcourse.grading.llm.lesson10:_reference_update"),
+    ("check_rloo_step", rloo_step_calling_the_graders_reference, "rlcourse.grading.llm.lesson09:_reference_rloo_step"),
     ("check_rloo_step", rloo_step_with_the_librarys_rloo_loss, "rlcourse.losses.grpo:rloo_loss"),
-    ("check_rloo_step", rloo_step_with_the_trainers_loss, "rlcourse.lm.policy_gradient:loss_and_stats"),
+    ("check_rloo_step", rloo_step_with_the_trainers_loss, "rlcourse.trainers.policy_gradient:loss_and_stats"),
     ("check_rloo_kl_step", rloo_kl_step_calling_the_graders_reference, "lesson09:_reference_rloo_kl_step"),
-    ("check_rloo_kl_step", rloo_kl_step_with_ppo_rlhfs_shaped_rewards, "rlcourse.lm.ppo_rlhf:kl_shaped_rewards"),
-    ("check_dpo_step", dpo_step_calling_the_graders_reference, "rlcourse.grading.lesson11:_reference_dpo_step"),
+    ("check_rloo_kl_step", rloo_kl_step_with_ppo_rlhfs_shaped_rewards, "rlcourse.trainers.ppo_rlhf:kl_shaped_rewards"),
+    ("check_dpo_step", dpo_step_calling_the_graders_reference, "rlcourse.grading.llm.lesson11:_reference_dpo_step"),
     ("check_dpo_step", dpo_step_with_bradley_terry_on_scaled_margins, "rlcourse.losses.reward_model:bradley_terry_loss"),
     ("check_dpo_step", dpo_step_with_simpo_at_a_zero_margin, "rlcourse.losses.beyond_dpo:simpo_loss"),
     ("check_dpo_step", dpo_step_with_conservative_dpo_at_zero, "rlcourse.losses.dpo:conservative_dpo_loss"),
     ("check_dpo_step", dpo_step_with_rdpo_at_zero, "rlcourse.losses.beyond_dpo:rdpo_loss"),
-    ("check_dpo_step", dpo_step_with_the_trainers_batch_loss, "rlcourse.lm.dpo:batch_loss"),
+    ("check_dpo_step", dpo_step_with_the_trainers_batch_loss, "rlcourse.trainers.dpo:batch_loss"),
     ("check_dpo_loss", dpo_loss_with_bradley_terry_pair_by_pair, "rlcourse.losses.reward_model:bradley_terry_loss"),
     ("check_dpo_loss", dpo_loss_with_simpo_at_a_zero_margin, "rlcourse.losses.beyond_dpo:simpo_loss"),
-    ("check_online_dpo_step", online_dpo_step_calling_the_graders_round, "rlcourse.grading.lesson11b:_online_round"),
+    ("check_online_dpo_step", online_dpo_step_calling_the_graders_round, "rlcourse.grading.llm.lesson11b:_online_round"),
     ("check_train_online_dpo", train_online_dpo_calling_the_graders_run, "lesson11b:_reference_online_dpo"),
     ("check_train_online_dpo", train_online_dpo_with_the_trainer, "OnlineDPOTrainer.train"),
 ]

@@ -143,7 +143,7 @@ LEARNERS.update({
                                           "        out[t] = acc\n"
                                           "    return out", CHECK_2],
     # the grader's private code reached into (statically: nothing of it has to run)
-    "jack": [IMPORTS + "\nfrom rlcourse.grading.lesson01 import _mdp", RETURN_OK, CHECK_1, RTG_MINE, CHECK_2],
+    "jack": [IMPORTS + "\nfrom rlcourse.grading.classic.lesson01 import _mdp", RETURN_OK, CHECK_1, RTG_MINE, CHECK_2],
 })
 
 
@@ -236,7 +236,7 @@ def test_the_shipped_solution_pasted_is_flagged(graded_class):
 
 def test_the_graders_private_code_reached_into_is_tampering(graded_class):
     _, rows, _ = graded_class
-    assert "uses the grader's private code (rlcourse.grading.lesson01._mdp)" in rows["jack"]["notes"]
+    assert "uses the grader's private code (rlcourse.grading.classic.lesson01._mdp)" in rows["jack"]["notes"]
 
 
 def test_the_table_names_each_check_passed_or_not(graded_class):
@@ -274,14 +274,14 @@ def test_grade_help_from_the_command_line_and_an_unknown_option():
 @pytest.mark.parametrize("cells, found", [
     (["from re import compile\nimport re as something\np = compile('a+')", "something.compile('b')"], []),
     (["from rlcourse.grading import check_reward_to_go as check_reward_to_go"], []),
-    (["from rlcourse.grading.lesson03 import check_reward_to_go"], []),
+    (["from rlcourse.grading.classic.lesson03 import check_reward_to_go"], []),
     (["from mine import check_reward_to_go"], ["a cell redefines check_reward_to_go"]),
-    (["import rlcourse\nstep = rlcourse.grading.lesson10._reference_update"],
-     ["a cell uses the grader's private code (rlcourse.grading.lesson10._reference_update)"]),
-    (["import importlib\ng = importlib.import_module('rlcourse.grading.lesson11')", "g._reference_dpo_step(1)"],
-     ["a cell uses the grader's private code (rlcourse.grading.lesson11._reference_dpo_step)"]),
+    (["import rlcourse\nstep = rlcourse.grading.llm.lesson10._reference_update"],
+     ["a cell uses the grader's private code (rlcourse.grading.llm.lesson10._reference_update)"]),
+    (["import importlib\ng = importlib.import_module('rlcourse.grading.llm.lesson11')", "g._reference_dpo_step(1)"],
+     ["a cell uses the grader's private code (rlcourse.grading.llm.lesson11._reference_dpo_step)"]),
     (["import sys\nsys.modules['rlcourse.grading'] = None"], ["a cell patches the grader (sys.modules['rlcourse.grading'])"]),
-    (["from rlcourse.grading.lesson06 import ppo_toy_batch"], []),          # a public helper a lesson hands out
+    (["from rlcourse.grading.classic.lesson06 import ppo_toy_batch"], []),          # a public helper a lesson hands out
 ])
 def test_what_a_cell_does_to_the_grader_is_judged_by_binding(cells, found):
     _, notebook_wide = problems(notebook(IMPORTS, *cells, RETURN_OK, CHECK_1, RTG_OK, CHECK_2))

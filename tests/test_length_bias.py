@@ -1,11 +1,11 @@
-"""rlcourse.lm.length_bias: the exact wrong-answer length it tracks, and the bias it shows."""
+"""rlcourse.measure.length_bias: the exact wrong-answer length it tracks, and the bias it shows."""
 import numpy as np
 
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.lm.exact_oracle import EnumerablePolicy
-from rlcourse.lm.length_bias import wrong_answer_lengths
+from rlcourse.measure.exact_gradient import EnumerablePolicy
+from rlcourse.measure.length_bias import wrong_answer_lengths
 
 
 def test_the_tracked_length_is_the_exact_expectation_over_every_completion():

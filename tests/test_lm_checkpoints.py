@@ -6,9 +6,9 @@ import torch
 from rlcourse.lm.checkpoints import (available_checkpoints, checkpoint_info, load_checkpoint,
                                      save_checkpoint)
 from rlcourse.lm.sampling import sample
-from rlcourse.lm.sft import exact_match
-from rlcourse.lm.tasks import AdditionTask, DigitSumTask, PreferenceTask
-from rlcourse.lm.train import RECIPES, train_recipe
+from rlcourse.trainers.sft import exact_match
+from rlcourse.tasks import AdditionTask, DigitSumTask, PreferenceTask
+from rlcourse.tools.train_checkpoints import RECIPES, train_recipe
 
 
 @pytest.fixture(autouse=True)
@@ -21,7 +21,7 @@ def test_every_recipe_is_shipped_with_its_record():
     for name in RECIPES:
         info = checkpoint_info(name)
         assert info["recipe"] == RECIPES[name], f"{name}: recipe.json is stale, retrain it"
-        assert info["command"] == f"python -m rlcourse.lm.train {name}"
+        assert info["command"] == f"python -m rlcourse.tools.train_checkpoints {name}"
 
 
 def test_partial_checkpoint_is_partial():

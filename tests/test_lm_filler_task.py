@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import torch
 
-from rlcourse.lm.tasks import AdditionTask, FillerAdditionTask
+from rlcourse.tasks.arithmetic import AdditionTask, FillerAdditionTask
 
 
 def test_reward_counts_only_the_sum_after_at_most_budget_dots():

@@ -5,8 +5,8 @@ import torch
 
 from rlcourse.lm.logprobs import position_ids_from_mask
 from rlcourse.lm.model import SIZES, count_parameters, make_model
-from rlcourse.lm.sft import encode_examples, exact_match, lr_at, sft_loss, train_sft
-from rlcourse.lm.tasks import AdditionTask
+from rlcourse.trainers.sft import encode_examples, exact_match, lr_at, sft_loss, train_sft
+from rlcourse.tasks.arithmetic import AdditionTask
 from rlcourse.lm.tokenizer import build_char_tokenizer
 
 

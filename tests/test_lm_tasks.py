@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlcourse.lm.tasks import AdditionTask, DigitSumTask, PreferenceTask
+from rlcourse.tasks import AdditionTask, DigitSumTask, PreferenceTask
 
 
 def test_addition_answer_and_exact_reward():

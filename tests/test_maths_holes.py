@@ -73,7 +73,7 @@ def test_a_mask_holding_other_than_0_and_1_is_refused(bad_mask):
 
 @pytest.mark.parametrize("pos, neg", [(0.0, 1.0), (1.0, -0.5), (nan, 1.0)])
 def test_sapo_temperatures_must_be_positive(pos, neg):
-    from rlcourse.lm.policy_gradient import PolicyGradientConfig
+    from rlcourse.trainers.policy_gradient import PolicyGradientConfig
 
     logp, old, _, mask, adv = _batch()
     with pytest.raises(ValueError, match="sapo_temperature"):
@@ -99,7 +99,7 @@ def test_gspo_sequence_ratio_is_clamped_like_the_token_ratio():
 
 
 def test_rloo_loss_with_beta_in_the_loss_is_refused_not_ignored():
-    from rlcourse.lm.policy_gradient import PolicyGradientConfig
+    from rlcourse.trainers.policy_gradient import PolicyGradientConfig
 
     with pytest.raises(ValueError, match="kl_in_reward"):
         PolicyGradientConfig(advantage_estimator="rloo", loss_type="rloo", beta=0.5)
@@ -131,7 +131,7 @@ def test_kl_estimates_can_follow_verl_and_openrlhf_bound():
 
 
 def test_exact_oracle_notices_an_update_through_data():
-    from rlcourse.lm.exact_oracle import EnumerablePolicy
+    from rlcourse.measure.exact_gradient import EnumerablePolicy
 
     torch.manual_seed(0)
     policy = EnumerablePolicy(vocab_size=3, max_len=2, n_prompts=2)
@@ -146,7 +146,7 @@ def test_a_special_token_inside_a_completion_is_seen_by_the_reward():
     """Six <pad> then the sum scored 1 on the filler task (the pads were erased when decoding) where
     six dots score 0: the thinking budget could be bypassed. The verifier now sees the pads."""
     from rlcourse.lm.sampling import decode_completions
-    from rlcourse.lm.tasks import FillerAdditionTask
+    from rlcourse.tasks.arithmetic import FillerAdditionTask
     from rlcourse.lm.tokenizer import build_char_tokenizer
 
     task, tok = FillerAdditionTask(budget=3), build_char_tokenizer()
@@ -191,7 +191,7 @@ def test_sampling_settings_get_an_error_naming_them(kwargs, name):
 
 def test_a_bf16_reward_head_is_refused_and_a_bf16_body_keeps_a_float32_head():
     from rlcourse.lm.model import make_model
-    from rlcourse.lm.reward_model import ScalarHeadModel
+    from rlcourse.lm.scalar_head import ScalarHeadModel
     from rlcourse.lm.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
@@ -216,7 +216,7 @@ class _RewardTask:
     """AdditionTask's prompts, with every reward replaced by ``value`` for the first completion."""
 
     def __init__(self, value):
-        from rlcourse.lm import AdditionTask
+        from rlcourse.tasks import AdditionTask
 
         self.inner, self.value = AdditionTask(), value
         self.max_new_tokens = self.inner.max_new_tokens
@@ -235,7 +235,7 @@ def test_the_trainer_refuses_a_non_finite_reward_by_name(bad):
     """A log 0 reward (-inf) passed the trainer's NaN-only test; with advantage_estimator='batch_mean'
     nothing downstream refused it either, and the step's weights became NaN."""
     from rlcourse.lm.model import make_model
-    from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+    from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
     from rlcourse.lm.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
@@ -304,7 +304,7 @@ def test_the_score_matrix_cache_survives_a_pickle_and_misses_after_any_change(mo
     where a key of _version / data_ptr missed; an update through .data recomputes it."""
     import pickle
 
-    from rlcourse.lm.exact_oracle import EnumerablePolicy
+    from rlcourse.measure.exact_gradient import EnumerablePolicy
 
     policy = EnumerablePolicy(vocab_size=3, max_len=2, n_prompts=2)
     first = policy.score_matrix().clone()

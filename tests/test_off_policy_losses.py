@@ -1,5 +1,5 @@
 """The off-policy corrections (rlcourse.losses.off_policy) against hand-worked numbers, and the exact
-mean and variance of the corrected estimators (rlcourse.lm.off_policy_oracle) against closed forms and
+mean and variance of the corrected estimators (rlcourse.measure.exact_off_policy) against closed forms and
 against Monte-Carlo sampling. TRL parity: tests/test_trl_parity_off_policy.py."""
 import math
 
@@ -8,8 +8,8 @@ import pytest
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.lm.exact_oracle import EnumerablePolicy
-from rlcourse.lm.off_policy_oracle import exact_off_policy_gradient, perturbed_logits, token_scores
+from rlcourse.measure.exact_gradient import EnumerablePolicy
+from rlcourse.measure.exact_off_policy import exact_off_policy_gradient, perturbed_logits, token_scores
 from rlcourse.losses.off_policy import (SAMPLER_IS_MODES, check_is_bounds, check_sampler_logprobs,
                                         effective_sample_size, off_policy_sequence_mask, sampler_gap_stats,
                                         sampler_importance_weights)

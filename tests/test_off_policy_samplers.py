@@ -1,4 +1,4 @@
-"""Samplers that are not the trained policy (rlcourse.lm.off_policy) and the trainers' sampler= path.
+"""Samplers that are not the trained policy (rlcourse.lm.off_policy_samplers) and the trainers' sampler= path.
 
 Oracles: the copies' weights checked element by element (dtype, rounding grid, what is left alone),
 the rollouts against sampling the same copy directly, the trainer's off-policy loss against the
@@ -11,11 +11,12 @@ import pytest
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.lm import AdditionTask, load_checkpoint, sample, sequence_logprobs
-from rlcourse.lm.off_policy import CopySampler, StaleSampler, cast_copy, quantised_copy
-from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
-from rlcourse.lm.seed_batch import seed_model, stack_models
-from rlcourse.lm.seed_batched import SeedBatchedPolicyGradientTrainer
+from rlcourse.tasks import AdditionTask
+from rlcourse.lm import load_checkpoint, sample, sequence_logprobs
+from rlcourse.lm.off_policy_samplers import CopySampler, StaleSampler, cast_copy, quantised_copy
+from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+from rlcourse.lm.seed_stack import seed_model, stack_models
+from rlcourse.trainers.policy_gradient_seeds import SeedBatchedPolicyGradientTrainer
 from rlcourse.losses import aggregate_loss, per_token_loss
 from rlcourse.losses.off_policy import SAMPLER_IS_MODES
 from seed_helpers import perturbed_copies, update_cosine

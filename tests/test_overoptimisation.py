@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlcourse.lm.overoptimisation import optimum_curve
-from rlcourse.lm.preference import LETTERS, PreferenceTask
+from rlcourse.measure.overoptimisation import optimum_curve
+from rlcourse.tasks.preference import LETTERS, PreferenceTask
 from rlcourse.regularised_optimum import kl_regularised_optimum
 
 

@@ -6,8 +6,9 @@ import pytest
 import rlcourse  # noqa: F401
 import torch
 
-from rlcourse.lm import AdditionTask, load_checkpoint
-from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+from rlcourse.tasks import AdditionTask
+from rlcourse.lm import load_checkpoint
+from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
 from rlcourse.losses import GRPO_LOSS_TYPES as LOSS_TYPES
 
 TRL_METRICS = {"reward", "reward_std", "frac_reward_zero_std", "clip_ratio/low_mean", "clip_ratio/high_mean",

@@ -7,11 +7,12 @@ import rlcourse  # noqa: F401  (before torch)
 import pytest
 import torch
 
-from rlcourse.lm import PreferenceTask, load_checkpoint
-from rlcourse.lm.best_of_n import best_of_n, best_of_n_kl
-from rlcourse.lm.ppo_rlhf import (PPOConfig, PPORLHFTrainer, advantages_and_returns, disable_dropout,
+from rlcourse.tasks import PreferenceTask
+from rlcourse.lm import load_checkpoint
+from rlcourse.measure.best_of_n import best_of_n, best_of_n_kl
+from rlcourse.trainers.ppo_rlhf import (PPOConfig, PPORLHFTrainer, advantages_and_returns, disable_dropout,
                                   kl_shaped_rewards, ppo_rlhf_loss)
-from rlcourse.lm.reward_model import ScalarHeadModel, score_completions
+from rlcourse.lm.scalar_head import ScalarHeadModel, score_completions
 from rlcourse.lm.value_model import make_value_model, token_values
 
 
@@ -148,7 +149,7 @@ def test_best_of_n_keeps_the_best_sample(setup):
     out = best_of_n(policy, tok, rm, prompts, 5, 8, generator=torch.Generator().manual_seed(0), chunk=7)
     assert out["all_scores"].shape == (3, 5)
     assert torch.equal(out["scores"], out["all_scores"].max(1).values)
-    from rlcourse.lm.reward_model import encode_completions
+    from rlcourse.lm.scalar_head import encode_completions
     from rlcourse.lm.sampling import encode_prompts
     with torch.no_grad():
         again = score_completions(rm, *encode_prompts(tok, prompts), *encode_completions(tok, out["completions"]))

@@ -10,7 +10,7 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.kl import exact_kl
-from rlcourse.lm.ppo_rlhf import PPOConfig, kl_shaped_rewards
+from rlcourse.trainers.ppo_rlhf import PPOConfig, kl_shaped_rewards
 
 
 def test_k3_in_the_reward_warns_at_construction_and_names_the_lesson():

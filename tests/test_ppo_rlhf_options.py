@@ -8,9 +8,11 @@ import rlcourse  # noqa: F401  (before torch)
 import pytest
 import torch
 
-from rlcourse.lm import PreferenceTask, load_checkpoint
-from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer, eos_rule
-from rlcourse.lm.reward_model import ScalarHeadModel, reward_model_bias, score_completions
+from rlcourse.tasks import PreferenceTask
+from rlcourse.lm import load_checkpoint
+from rlcourse.trainers.ppo_rlhf import PPOConfig, PPORLHFTrainer, eos_rule
+from rlcourse.lm.scalar_head import ScalarHeadModel, score_completions
+from rlcourse.tasks.reward_model import reward_model_bias
 from rlcourse.lm.sampling import sample
 from rlcourse.lm.value_model import make_value_model
 
@@ -102,7 +104,7 @@ def test_reward_model_bias_centres_the_sft_policy_on_held_out_prompts(setup):
 
 
 def test_best_of_n_names_a_bad_sampling_setting(setup):
-    from rlcourse.lm.best_of_n import best_of_n
+    from rlcourse.measure.best_of_n import best_of_n
 
     policy, tok, rm = setup
     for kwargs, name in [(dict(temperature=float("nan")), "temperature"), (dict(max_new_tokens=0), "max_new_tokens"),

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from rlcourse.lm import PreferenceTask, load_checkpoint
-from rlcourse.lm.preference import LETTERS
-from rlcourse.lm.bayes_limit import bayes_accuracy, gold_score_distribution, rater_utility_distribution
-from rlcourse.lm.reward_model import (ScalarHeadModel, encode_completions, last_real_index,
-                                      score_at_last_token, score_completions, train_reward_model)
+from rlcourse.tasks import PreferenceTask
+from rlcourse.lm import load_checkpoint
+from rlcourse.tasks.preference import LETTERS
+from rlcourse.measure.bayes_limit import bayes_accuracy, gold_score_distribution, rater_utility_distribution
+from rlcourse.lm.scalar_head import (ScalarHeadModel, encode_completions, last_real_index, score_at_last_token, score_completions)
+from rlcourse.tasks.reward_model import train_reward_model
 from rlcourse.lm.sampling import encode_prompts
 from rlcourse.losses import bradley_terry_loss, reward_model_metrics
 

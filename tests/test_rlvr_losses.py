@@ -7,10 +7,10 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.lm import Rollout, load_checkpoint
-from rlcourse.lm import policy_gradient
-from rlcourse.lm.policy_gradient import (PolicyGradientConfig, PolicyGradientTrainer, _Batch, logits_and_logprobs,
+from rlcourse.trainers import policy_gradient
+from rlcourse.trainers.policy_gradient import (PolicyGradientConfig, PolicyGradientTrainer, _Batch, logits_and_logprobs,
                                          loss_and_stats)
-from rlcourse.lm.trl_parity import fixed_completion_batch
+from rlcourse.interop.trl_parity import fixed_completion_batch
 from rlcourse.losses.rlvr import high_entropy_mask, overlong_penalty
 
 
@@ -184,7 +184,7 @@ def test_config_refuses_bad_entropy_and_length_settings():
 def test_a_buffer_longer_than_the_budget_is_refused_when_the_trainer_is_built(fixed, trainer_class):
     """A buffer C > L would charge every completion, however short: both trainers refuse it up front,
     whether L is the config's max_completion_length or the task's own max_new_tokens."""
-    from rlcourse.lm.seed_batched import SeedBatchedPolicyGradientTrainer
+    from rlcourse.trainers.policy_gradient_seeds import SeedBatchedPolicyGradientTrainer
 
     model, tokenizer, rows, _, _ = fixed
     task = _FixedTask(rows, torch.zeros(16))

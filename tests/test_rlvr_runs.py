@@ -1,4 +1,4 @@
-"""rlcourse.lm.rlvr_runs: a stacked model's draw equals each seed's own, and pass@k per seed equals the
+"""rlcourse.measure.rlvr_runs: a stacked model's draw equals each seed's own, and pass@k per seed equals the
 share of k-subsets holding a right sample, counted by enumeration."""
 import itertools
 
@@ -8,9 +8,10 @@ import pytest
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.lm import AdditionTask, load_checkpoint
-from rlcourse.lm.rlvr_runs import draw, pass_at_k_curve, per_seed_series
-from rlcourse.lm.seed_batch import stack_models
+from rlcourse.tasks import AdditionTask
+from rlcourse.lm import load_checkpoint
+from rlcourse.measure.rlvr_runs import draw, pass_at_k_curve, per_seed_series
+from rlcourse.lm.seed_stack import stack_models
 
 
 @pytest.fixture(scope="module")

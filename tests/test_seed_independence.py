@@ -14,15 +14,16 @@ import pytest
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.lm import AdditionTask, PreferenceTask, load_checkpoint, sample
-from rlcourse.lm.online_dpo import BradleyTerryRater, OnlineDPOConfig, OnlineDPOTrainer
-from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
-from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer
-from rlcourse.lm.reward_model import ScalarHeadModel
-from rlcourse.lm.seed_batch import stack_models
-from rlcourse.lm.seed_batched import SeedBatchedPolicyGradientTrainer
-from rlcourse.lm.seed_batched_ppo import SeedBatchedPPORLHFTrainer
-from rlcourse.lm.verifiers import RandomReward, RewardedTask
+from rlcourse.tasks import AdditionTask, PreferenceTask
+from rlcourse.lm import load_checkpoint, sample
+from rlcourse.trainers.online_dpo import BradleyTerryRater, OnlineDPOConfig, OnlineDPOTrainer
+from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+from rlcourse.trainers.ppo_rlhf import PPOConfig, PPORLHFTrainer
+from rlcourse.lm.scalar_head import ScalarHeadModel
+from rlcourse.lm.seed_stack import stack_models
+from rlcourse.trainers.policy_gradient_seeds import SeedBatchedPolicyGradientTrainer
+from rlcourse.trainers.ppo_rlhf_seeds import SeedBatchedPPORLHFTrainer
+from rlcourse.tasks.verifiers import RandomReward, RewardedTask
 from seed_helpers import perturbed_copies
 
 

@@ -7,7 +7,7 @@ import pytest
 import rlcourse  # noqa: F401
 from rlcourse import tabular
 from rlcourse.envs import GRIDWORLD_ID, GridWorld
-from rlcourse.grading.lesson01 import random_mdp
+from rlcourse.grading.classic.lesson01 import random_mdp
 
 
 def small_mdp(seed=0, S=4, A=3):

@@ -85,7 +85,8 @@ def test_every_frame_of_the_grading_core_and_lessons_01_07b_hides_itself():
 
     folder = Path(grading.__file__).parent
     missing = []
-    for path in [folder / "_core.py"] + [folder / f"lesson0{i}.py" for i in ("1", "2", "3", "4", "5", "6", "7", "7b")]:
+    lessons = [folder / "classic" / f"lesson0{i}.py" for i in "123456"] + [folder / "llm" / f"lesson07{b}.py" for b in ("", "b")]
+    for path in [folder / "_core.py"] + lessons:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_show"):
                 hides = any(isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "__tracebackhide__"

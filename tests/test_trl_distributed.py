@@ -14,7 +14,7 @@ import pytest
 import rlcourse  # noqa: F401
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-SCRIPT = ["-m", "rlcourse.tools.trl_grpo", "--cpu", "--steps", "3", "--eval-prompts", "20"]
+SCRIPT = ["-m", "rlcourse.interop.trl_grpo", "--cpu", "--steps", "3", "--eval-prompts", "20"]
 # A port of its own: lesson 13 launches DDP on accelerate's default port, and `make test` may run it
 # in the other worker at the same time.
 COMMON = ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517"]
@@ -45,8 +45,8 @@ def test_the_cpu_flag_silently_starts_one_process(tmp_path):
 
 
 def test_trl_reward_function_and_dataset_come_from_the_task():
-    from rlcourse.lm import AdditionTask
-    from rlcourse.lm.trl_bridge import task_dataset, task_reward_func
+    from rlcourse.tasks import AdditionTask
+    from rlcourse.interop.trl_bridge import task_dataset, task_reward_func
 
     task = AdditionTask()
     data = task_dataset(task, 4, seed=0)
@@ -60,7 +60,7 @@ def test_exported_checkpoint_loads_offline_and_matches(tmp_path, name):
     from transformers import GPT2LMHeadModel
 
     from rlcourse.lm import load_checkpoint
-    from rlcourse.lm.trl_bridge import export_checkpoint, parameter_checksum
+    from rlcourse.interop.trl_bridge import export_checkpoint, parameter_checksum
 
     path = export_checkpoint(name, tmp_path / "model")
     ours, _ = load_checkpoint(name, device="cpu")

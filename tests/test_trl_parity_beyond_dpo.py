@@ -219,8 +219,8 @@ def test_online_dpo_pairs_and_loss_equal_trl_online_dpo_trainer(online_trainer, 
     """With two completions per prompt and no ties, our pairs and the loss our OnlineDPOTrainer computes
     (``batch_loss`` with whole-sequence IPO, as the trainer calls it) are OnlineDPOTrainer's, for both of its
     losses; completions of different lengths, whose padding holds log-probs that must not count."""
-    from rlcourse.lm.dpo import batch_loss
-    from rlcourse.lm.online_dpo import OnlineDPOConfig
+    from rlcourse.trainers.dpo import batch_loss
+    from rlcourse.trainers.online_dpo import OnlineDPOConfig
 
     trainer, scores, tokenizer = online_trainer
     gen = torch.Generator().manual_seed(seed)

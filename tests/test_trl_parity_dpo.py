@@ -16,7 +16,7 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.lm import load_checkpoint, save_checkpoint
-from rlcourse.lm.dpo import dpo_metrics
+from rlcourse.trainers.dpo import dpo_metrics
 from rlcourse.losses import dpo_implicit_reward, preference_loss
 
 
@@ -120,7 +120,7 @@ def test_loss_gradient_and_rewards_equal_trl(trl_trainer, loss_type, loss_weight
 def test_train_dpos_batch_loss_keeps_trls_per_token_ipo(trl_trainer, seed):
     """Offline DPO's IPO, through the trainer's own batch_loss, is TRL's DPOTrainer's: log-ratios averaged per
     token (online DPO's is not: see tests/test_trl_parity_beyond_dpo.py)."""
-    from rlcourse.lm.dpo import DPOConfig, batch_loss
+    from rlcourse.trainers.dpo import DPOConfig, batch_loss
 
     token_logps, completion_mask, ref = _fixed_batch(seed)
     trl_loss, trl_grad, _ = _run_trl(trl_trainer, token_logps, completion_mask, ref, 0.3, ["ipo"], None, 0.0)

@@ -7,7 +7,7 @@ RLOO with ``beta > 0`` (TRL puts the k1 KL in the reward) goes through our train
 One trainer per module (building one takes about a second); each case sets the trainer's
 attributes that TRL's ``_compute_loss`` reads (``loss_type``, ``importance_sampling_level``,
 ``beta``, ``epsilon_low``/``epsilon_high``), then compares. The batch, the trainers' set-up and both
-sides of the GRPO comparison are :mod:`rlcourse.lm.trl_parity`, which lesson 13 runs too.
+sides of the GRPO comparison are :mod:`rlcourse.interop.trl_parity`, which lesson 13 runs too.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.lm import load_checkpoint, save_checkpoint, sequence_logprobs
-from rlcourse.lm.trl_parity import (build_trl_trainer, fixed_completion_batch, flat_grad as _grads,
+from rlcourse.interop.trl_parity import (build_trl_trainer, fixed_completion_batch, flat_grad as _grads,
                                     rlcourse_grpo_loss, set_trl_grpo_loss, trl_grpo_loss)
 from rlcourse.losses import GRPO_LOSS_TYPES as LOSS_TYPES, group_advantages, leave_one_out_advantages, rloo_loss
 
@@ -149,8 +149,8 @@ def test_rloo_kl_in_reward_matches_trl(setup, monkeypatch, request, mask_truncat
     import trl.trainer.rloo_trainer as rloo_module
 
     from rlcourse.lm import Rollout
-    from rlcourse.lm import policy_gradient
-    from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+    from rlcourse.trainers import policy_gradient
+    from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
 
     trainer, b, tokenizer = setup["rloo"], setup["batch"], setup["tokenizer"]
     beta = 0.1
@@ -229,9 +229,9 @@ def test_bridge_max_steps_samples_as_many_batches_in_trl_as_ours(tmp_path, accum
     steps) must make TRL draw 2 generation batches too, of our batch size, also when the batch is
     accumulated over 2 slices (steps_per_generation = gradient_accumulation_steps, TRL's default).
     Counted by TRL's own calls of the reward."""
-    from rlcourse.lm import AdditionTask
-    from rlcourse.lm.policy_gradient import PolicyGradientConfig
-    from rlcourse.lm.trl_bridge import grpo_config_kwargs
+    from rlcourse.tasks import AdditionTask
+    from rlcourse.trainers.policy_gradient import PolicyGradientConfig
+    from rlcourse.interop.trl_bridge import grpo_config_kwargs
 
     path = tmp_path / "tiny"
     model, tokenizer = load_checkpoint("addition-partial", device="cpu")

@@ -6,7 +6,7 @@ TRL computes the weights inside ``_generate_and_score_completions`` when it samp
 generation is replaced here by fixed completions and fixed "vLLM" log-probs (the trainer's own
 log-probs plus seeded noise, so that ratios fall on both sides of every bound), and ``use_vllm`` is
 switched on after construction: everything after generation is TRL's code, run as it is. The batch
-and the trainer come from :mod:`rlcourse.lm.trl_parity` (float64; TRL's log-probs are float32).
+and the trainer come from :mod:`rlcourse.interop.trl_parity` (float64; TRL's log-probs are float32).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.lm import Rollout
-from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
-from rlcourse.lm.trl_parity import flat_grad, set_trl_grpo_loss
+from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+from rlcourse.interop.trl_parity import flat_grad, set_trl_grpo_loss
 from rlcourse.losses.off_policy import SAMPLER_IS_MODES, off_policy_sequence_mask, sampler_importance_weights
 
 import trl  # noqa: E402  (a dependency of the project: these tests never skip)

@@ -2,9 +2,9 @@
 ``mask_truncated_completions`` (with the ``completions/clipped_ratio`` it logs), weighted
 ``reward_funcs`` and the soft overlong punishment. TRL's own code is run on fixed inputs, not copied.
 
-The loss cases hand one fixed batch (:func:`rlcourse.lm.trl_parity.fixed_completion_batch`: ragged
+The loss cases hand one fixed batch (:func:`rlcourse.interop.trl_parity.fixed_completion_batch`: ragged
 completions, some cut at the maximum length, ratios on both sides of the clip) to
-``GRPOTrainer.compute_loss`` and to our trainer's :func:`~rlcourse.lm.policy_gradient.loss_and_stats`,
+``GRPOTrainer.compute_loss`` and to our trainer's :func:`~rlcourse.trainers.policy_gradient.loss_and_stats`,
 the function both of our trainers call, and compare the loss and the gradient of every parameter.
 The batch-building cases run TRL's ``_generate_and_score_completions`` with its generation replaced
 by the fixed completions, and our ``PolicyGradientTrainer.make_batch`` with its sampler replaced by
@@ -20,11 +20,11 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.lm import Rollout
-from rlcourse.lm import policy_gradient
-from rlcourse.lm.policy_gradient import (PolicyGradientConfig, PolicyGradientTrainer, _Batch, logits_and_logprobs,
+from rlcourse.trainers import policy_gradient
+from rlcourse.trainers.policy_gradient import (PolicyGradientConfig, PolicyGradientTrainer, _Batch, logits_and_logprobs,
                                          loss_and_stats)
-from rlcourse.lm.trl_parity import fixed_completion_batch, flat_grad, set_trl_grpo_loss
-from rlcourse.lm.verifiers import combine_rewards
+from rlcourse.interop.trl_parity import fixed_completion_batch, flat_grad, set_trl_grpo_loss
+from rlcourse.tasks.verifiers import combine_rewards
 from rlcourse.losses import group_advantages
 from rlcourse.losses.rlvr import overlong_penalty
 
@@ -167,7 +167,7 @@ def test_mask_truncated_completions_and_clipped_ratio_match_trl(setup, monkeypat
 
 def test_weighted_reward_funcs_match_trl(setup, monkeypatch):
     """TRL sums ``reward_weights[i] * reward_funcs[i]``; with ``scale_rewards="none"`` its advantages are
-    that sum minus its group mean, which ours must equal (rlcourse.lm.verifiers.combine_rewards)."""
+    that sum minus its group mean, which ours must equal (rlcourse.tasks.verifiers.combine_rewards)."""
     trainer, b, tokenizer, rows = setup["trainer"], setup["batch"], setup["tokenizer"], setup["rows"]
 
     def first(prompts, completions, **kwargs):

@@ -1,4 +1,4 @@
-"""rlcourse.lm.verifiers against an independent character-by-character oracle over every short string,
+"""rlcourse.tasks.verifiers against an independent character-by-character oracle over every short string,
 hand-made adversarial completions, and the reward combination's closed form and errors."""
 import itertools
 import math
@@ -9,9 +9,9 @@ import pytest
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.lm import FillerAdditionTask
-from rlcourse.lm.policy_gradient import checked_rewards
-from rlcourse.lm.verifiers import FillerVerifiers, RandomReward, RewardedTask, combine_rewards, extract_answer
+from rlcourse.tasks import FillerAdditionTask
+from rlcourse.trainers.policy_gradient import checked_rewards
+from rlcourse.tasks.verifiers import FillerVerifiers, RandomReward, RewardedTask, combine_rewards, extract_answer
 
 TASK = FillerAdditionTask()            # budget 3
 V = FillerVerifiers(TASK)

@@ -3,7 +3,7 @@
     python -m rlcourse.bench beyond-dpo-vs-trl [--pairs 512] [--steps 40] [--batch 32] [--lr 1e-3]
                                                [--threads 2] [--losses simpo orpo kto] [--checkpoint preference-sft]
 
-For each loss, ours is :func:`rlcourse.lm.dpo.train_dpo` with ``loss_type`` set, TRL's is its own trainer:
+For each loss, ours is :func:`rlcourse.trainers.dpo.train_dpo` with ``loss_type`` set, TRL's is its own trainer:
 
     simpo   CPOTrainer(CPOConfig(loss_type="simpo", cpo_alpha=0))    beta 2.0, simpo_gamma 0.5
     orpo    ORPOTrainer(ORPOConfig)                                  beta (the paper's lambda) 1.0
@@ -64,13 +64,14 @@ def _worker(args) -> dict:
 
     import torch
 
-    from rlcourse.lm import PreferenceTask, load_checkpoint
+    from rlcourse.tasks import PreferenceTask
+    from rlcourse.lm import load_checkpoint
 
     torch.set_num_threads(args.threads)
     pairs = PreferenceTask().preference_pairs(args.pairs, rng=0)
     loss = args.worker_loss
     if args.worker == "ours":
-        from rlcourse.lm.dpo import DPOConfig, train_dpo
+        from rlcourse.trainers.dpo import DPOConfig, train_dpo
 
         model, tok = load_checkpoint(args.checkpoint)
         config = DPOConfig(loss_type=loss, learning_rate=args.lr, per_device_train_batch_size=args.batch,

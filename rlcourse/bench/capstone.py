@@ -9,7 +9,7 @@ level just before the first run started (models, optimiser state, activations). 
 starts from ``digitsum-sft`` and draws ``budget`` completions; the peer of every method is the SFT
 start and RFT (rejection-sampling fine-tuning, the best-of-n baseline). Validity, KL and distinct
 valid answers per target are final values, mean +/- 95% t half-width over seeds; pairs of methods
-are also compared seed by seed (:func:`rlcourse.capstone.paired_difference`).
+are also compared seed by seed (:func:`rlcourse.measure.capstone.paired_difference`).
 
 DPO's peak is its offline sampling: ``budget`` completions drawn from the SFT model in one batch
 before training, so its memory grows with the budget while the online methods' grows with ``batch``.
@@ -25,7 +25,7 @@ import rlcourse  # noqa: F401  (before torch)
 import torch
 
 from rlcourse.bench._memory import RSSWatcher
-from rlcourse.capstone import ALGORITHMS, CapstoneConfig, compare, paired_difference, summary
+from rlcourse.measure.capstone import ALGORITHMS, CapstoneConfig, compare, paired_difference, summary
 from rlcourse.runtime import describe, device
 from rlcourse.stats import interval_above, t_interval
 

@@ -34,12 +34,13 @@ def _worker(args) -> dict:
     import rlcourse  # noqa: F401  (before torch)
     import torch
 
-    from rlcourse.lm import PreferenceTask, load_checkpoint
+    from rlcourse.tasks import PreferenceTask
+    from rlcourse.lm import load_checkpoint
 
     torch.set_num_threads(args.threads)
     pairs = PreferenceTask().preference_pairs(args.pairs, rng=0)
     if args.worker == "ours":
-        from rlcourse.lm.dpo import DPOConfig, train_dpo
+        from rlcourse.trainers.dpo import DPOConfig, train_dpo
 
         model, tok = load_checkpoint(args.checkpoint)
         config = DPOConfig(beta=args.beta, learning_rate=args.lr, per_device_train_batch_size=args.batch,

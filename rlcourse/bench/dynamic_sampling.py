@@ -18,8 +18,10 @@ import rlcourse  # noqa: F401  (before torch)
 import numpy as np
 import torch
 
-from rlcourse.lm import AdditionTask, exact_match, load_checkpoint
-from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+from rlcourse.tasks import AdditionTask
+from rlcourse.trainers import exact_match
+from rlcourse.lm import load_checkpoint
+from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
 from rlcourse.runtime import describe
 
 BATCH, EVERY = 64, 10

@@ -32,7 +32,9 @@ def _run_one(which: str, args) -> dict:
     import rlcourse  # noqa: F401  (before torch)
     import torch
 
-    from rlcourse.lm import AdditionTask, exact_match, load_checkpoint, save_checkpoint
+    from rlcourse.tasks import AdditionTask
+    from rlcourse.trainers import exact_match
+    from rlcourse.lm import load_checkpoint, save_checkpoint
     from rlcourse.runtime import device as best_device
     from rlcourse.runtime import seed_everything
 
@@ -45,7 +47,7 @@ def _run_one(which: str, args) -> dict:
     before = exact_match(model, tokenizer, task, test)
     n_prompts = args.steps * args.batch // args.num_generations
     if which == "ours":
-        from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+        from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
 
         config = PolicyGradientConfig(learning_rate=args.lr, per_device_train_batch_size=args.batch,
                                       num_generations=args.num_generations, beta=args.beta,

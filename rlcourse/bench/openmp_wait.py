@@ -34,8 +34,9 @@ def _worker(args) -> dict:
             os.environ.pop(name, None)
     import torch
 
-    from rlcourse.lm import AdditionTask, load_checkpoint
-    from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+    from rlcourse.tasks import AdditionTask
+    from rlcourse.lm import load_checkpoint
+    from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
     from rlcourse.runtime import seed_everything
 
     torch.set_num_threads(args.threads)

@@ -24,10 +24,12 @@ from concurrent.futures import ProcessPoolExecutor
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.lm import PreferenceTask, load_checkpoint, sample
-from rlcourse.lm.best_of_n import best_of_n, best_of_n_kl
-from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer
-from rlcourse.lm.reward_model import ScalarHeadModel, train_reward_model
+from rlcourse.tasks import PreferenceTask
+from rlcourse.lm import load_checkpoint, sample
+from rlcourse.measure.best_of_n import best_of_n, best_of_n_kl
+from rlcourse.trainers.ppo_rlhf import PPOConfig, PPORLHFTrainer
+from rlcourse.lm.scalar_head import ScalarHeadModel
+from rlcourse.tasks.reward_model import train_reward_model
 from rlcourse.lm.value_model import make_value_model
 from rlcourse.bench._memory import RSSWatcher
 from rlcourse.runtime import describe, device

@@ -27,8 +27,9 @@ import rlcourse  # noqa: F401  (before torch)
 import numpy as np
 import torch
 
-from rlcourse.lm import (AdditionTask, DigitSumTask, exact_match, load_checkpoint, sample,
-                         sequence_logprobs)
+from rlcourse.tasks import AdditionTask, DigitSumTask
+from rlcourse.trainers import exact_match
+from rlcourse.lm import load_checkpoint, sample, sequence_logprobs
 from rlcourse.losses import reinforce_loss
 from rlcourse.runtime import by_profile, describe, seed_everything
 

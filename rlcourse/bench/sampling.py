@@ -26,7 +26,8 @@ import time
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.lm import AdditionTask, build_char_tokenizer, make_model, sample, sequence_logprobs
+from rlcourse.tasks import AdditionTask
+from rlcourse.lm import build_char_tokenizer, make_model, sample, sequence_logprobs
 from rlcourse.lm.logprobs import position_ids_from_mask
 from rlcourse.lm.sampling import decode_threads, encode_prompts
 from rlcourse.runtime import describe, device, synchronize

@@ -3,18 +3,18 @@
     python -m rlcourse.bench seeds [--method grpo|ppo] [--size laptop|demo] [--seeds 1 4 8 16] [--steps 10] [--repeats 3]
 
 Both sides train from the course's ``digitsum-sft`` checkpoint (``laptop``; 10M-parameter random
-GPT-2 at ``demo``, for a GPU) on :class:`~rlcourse.lm.tasks.DigitSumTask`, seeds 0..S-1, 64
+GPT-2 at ``demo``, for a GPU) on :class:`~rlcourse.tasks.arithmetic.DigitSumTask`, seeds 0..S-1, 64
 completions per seed and step. ``--method grpo``: TRL's ``dapo`` loss, 8 completions per prompt.
 ``--method ppo``: PPO-RLHF as the capstone runs it (a critic from the policy, the verifier's
 reward, 2 epochs, no KL), policy and critic stacked.
 
-* **separate**: S runs of :class:`~rlcourse.lm.policy_gradient.PolicyGradientTrainer` (or
-  :class:`~rlcourse.lm.ppo_rlhf.PPORLHFTrainer`), one per seed, one after another (what a loop
+* **separate**: S runs of :class:`~rlcourse.trainers.policy_gradient.PolicyGradientTrainer` (or
+  :class:`~rlcourse.trainers.ppo_rlhf.PPORLHFTrainer`), one per seed, one after another (what a loop
   over seeds costs);
-* **batched**: one :class:`~rlcourse.lm.seed_batched.SeedBatchedPolicyGradientTrainer` (or
-  :class:`~rlcourse.lm.seed_batched_ppo.SeedBatchedPPORLHFTrainer`) advancing all S seeds (the
+* **batched**: one :class:`~rlcourse.trainers.policy_gradient_seeds.SeedBatchedPolicyGradientTrainer` (or
+  :class:`~rlcourse.trainers.ppo_rlhf_seeds.SeedBatchedPPORLHFTrainer`) advancing all S seeds (the
   same runs: a seed draws the same prompts and, given the same weights, the same completions as
-  alone; ``tests/test_seed_batched.py``, ``tests/test_seed_batched_ppo.py``).
+  alone; ``tests/test_policy_gradient_seeds.py``, ``tests/test_ppo_rlhf_seeds.py``).
 
 Each side runs ``steps`` steps after one warm-up step; sides alternate ``repeats`` times and the
 median time is reported as completions per second, with the ratio batched / separate. Targets: 8
@@ -31,11 +31,12 @@ import time
 import rlcourse  # noqa: F401  (before torch)
 import torch
 
-from rlcourse.lm import DigitSumTask, build_char_tokenizer, load_checkpoint, make_model
-from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
-from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer
-from rlcourse.lm.seed_batched import SeedBatchedPolicyGradientTrainer
-from rlcourse.lm.seed_batched_ppo import SeedBatchedPPORLHFTrainer
+from rlcourse.tasks import DigitSumTask
+from rlcourse.lm import build_char_tokenizer, load_checkpoint, make_model
+from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+from rlcourse.trainers.ppo_rlhf import PPOConfig, PPORLHFTrainer
+from rlcourse.trainers.policy_gradient_seeds import SeedBatchedPolicyGradientTrainer
+from rlcourse.trainers.ppo_rlhf_seeds import SeedBatchedPPORLHFTrainer
 from rlcourse.lm.value_model import make_value_model
 from rlcourse.runtime import describe, device, synchronize
 
@@ -69,7 +70,7 @@ def main(argv: list[str]) -> int:
         def stacked(n_seeds):
             return SeedBatchedPolicyGradientTrainer(model, tokenizer, task, PolicyGradientConfig(**settings),
                                                     num_seeds=n_seeds)
-    else:                                                  # the capstone's PPO (rlcourse.capstone._ppo_trainer)
+    else:                                                  # the capstone's PPO (rlcourse.measure.capstone._ppo_trainer)
         settings = dict(learning_rate=6e-4, batch_size=batch, num_ppo_epochs=2, response_length=task.max_new_tokens,
                         kl_coef=0.0)
 

@@ -32,16 +32,16 @@ SIGMOID_PAIR_LOSSES = (
 DPO_PIECES = ("rlcourse.losses.dpo:dpo_logratio_margin", "rlcourse.losses.dpo:dpo_implicit_reward")
 # The course's preference trainers: a batch's loss, a run, a round of online DPO.
 PREFERENCE_TRAINERS = (
-    "rlcourse.lm.dpo:batch_loss", "rlcourse.lm.dpo:train_dpo",
-    "rlcourse.lm.seed_batched_dpo:seed_losses", "rlcourse.lm.seed_batched_dpo:train_dpo_seeds",
-    "rlcourse.lm.online_dpo:OnlineDPOTrainer.step", "rlcourse.lm.online_dpo:OnlineDPOTrainer.train",
-    "rlcourse.lm.online_dpo:OnlineDPOTrainer._update",
+    "rlcourse.trainers.dpo:batch_loss", "rlcourse.trainers.dpo:train_dpo",
+    "rlcourse.trainers.dpo_seeds:seed_losses", "rlcourse.trainers.dpo_seeds:train_dpo_seeds",
+    "rlcourse.trainers.online_dpo:OnlineDPOTrainer.step", "rlcourse.trainers.online_dpo:OnlineDPOTrainer.train",
+    "rlcourse.trainers.online_dpo:OnlineDPOTrainer._update",
 )
 # Where a tabular policy fitted to preferences lands, computed rather than fitted.
 PREFERENCE_OPTIMA = (
-    "rlcourse.categorical_bandit:train_tabular_policy", "rlcourse.categorical_bandit:CategoricalBandit.optimal_logprobs",
-    "rlcourse.regularised_optimum:kl_regularised_optimum", "rlcourse.preference_optima:expected_preference_loss",
-    "rlcourse.preference_optima:minimise_expected_loss",
+    "rlcourse.measure.categorical_bandit:train_tabular_policy", "rlcourse.measure.categorical_bandit:CategoricalBandit.optimal_logprobs",
+    "rlcourse.regularised_optimum:kl_regularised_optimum", "rlcourse.measure.preference_optima:expected_preference_loss",
+    "rlcourse.measure.preference_optima:minimise_expected_loss",
 )
 DPO_LOSS = SIGMOID_PAIR_LOSSES + DPO_PIECES + PREFERENCE_TRAINERS
 
@@ -50,8 +50,8 @@ ADVANTAGES = (
     "rlcourse.losses.grpo:group_advantages",
     "rlcourse.losses.grpo:leave_one_out_advantages",        # = group_advantages(scale_rewards="none") * K / (K - 1)
     "rlcourse.losses.grpo:batch_mean_advantages",
-    "rlcourse.lm.policy_gradient:advantages",
-    "rlcourse.lm.exact_oracle:_advantages",
+    "rlcourse.trainers.policy_gradient:advantages",
+    "rlcourse.measure.exact_gradient:_advantages",
 )
 # The policy-gradient losses: per token, aggregated, clipped, REINFORCE's, RLOO's, PPO-RLHF's.
 POLICY_GRADIENT_LOSSES = (
@@ -60,48 +60,48 @@ POLICY_GRADIENT_LOSSES = (
     "rlcourse.losses.policy_gradient:reinforce_loss", "rlcourse.losses.policy_gradient:ppo_clip_loss",
     "rlcourse.losses.policy_gradient:ppo_clip_objective", "rlcourse.losses.policy_gradient:importance_ratio",
     "rlcourse.losses.policy_gradient:trajectory_importance_weight",
-    "rlcourse.lm.ppo_rlhf:ppo_rlhf_loss", "rlcourse.lm.ppo_rlhf:minibatch_loss",
-    "rlcourse.lm.trl_parity:rlcourse_grpo_loss",
+    "rlcourse.trainers.ppo_rlhf:ppo_rlhf_loss", "rlcourse.trainers.ppo_rlhf:minibatch_loss",
+    "rlcourse.interop.trl_parity:rlcourse_grpo_loss",
 )
 # The course's policy-gradient trainer: its loss and its steps.
 POLICY_GRADIENT_TRAINER = (
-    "rlcourse.lm.policy_gradient:loss_and_stats",
-    "rlcourse.lm.policy_gradient:PolicyGradientTrainer._loss", "rlcourse.lm.policy_gradient:PolicyGradientTrainer.step",
-    "rlcourse.lm.policy_gradient:PolicyGradientTrainer.make_batch",
-    "rlcourse.lm.policy_gradient:PolicyGradientTrainer.train",
-    "rlcourse.lm.seed_batched:SeedBatchedPolicyGradientTrainer.losses",
-    "rlcourse.lm.seed_batched:SeedBatchedPolicyGradientTrainer.step",
-    "rlcourse.lm.seed_batched:SeedBatchedPolicyGradientTrainer.make_batch",
-    "rlcourse.lm.seed_batched:SeedBatchedPolicyGradientTrainer.train",
+    "rlcourse.trainers.policy_gradient:loss_and_stats",
+    "rlcourse.trainers.policy_gradient:PolicyGradientTrainer._loss", "rlcourse.trainers.policy_gradient:PolicyGradientTrainer.step",
+    "rlcourse.trainers.policy_gradient:PolicyGradientTrainer.make_batch",
+    "rlcourse.trainers.policy_gradient:PolicyGradientTrainer.train",
+    "rlcourse.trainers.policy_gradient_seeds:SeedBatchedPolicyGradientTrainer.losses",
+    "rlcourse.trainers.policy_gradient_seeds:SeedBatchedPolicyGradientTrainer.step",
+    "rlcourse.trainers.policy_gradient_seeds:SeedBatchedPolicyGradientTrainer.make_batch",
+    "rlcourse.trainers.policy_gradient_seeds:SeedBatchedPolicyGradientTrainer.train",
 )
 POLICY_GRADIENT_STEP = ADVANTAGES + POLICY_GRADIENT_LOSSES + POLICY_GRADIENT_TRAINER
 # The KL penalty of RLOO's reward, per token or summed.
-KL_PENALTY = ("rlcourse.kl:kl_k1", "rlcourse.lm.ppo_rlhf:kl_shaped_rewards")
+KL_PENALTY = ("rlcourse.kl:kl_k1", "rlcourse.trainers.ppo_rlhf:kl_shaped_rewards")
 
 # PPO-RLHF's trainer: its rewards, advantages, loss and steps.
 PPO_RLHF_TRAINER = (
-    "rlcourse.lm.ppo_rlhf:PPORLHFTrainer.token_rewards", "rlcourse.lm.ppo_rlhf:PPORLHFTrainer.advantages",
-    "rlcourse.lm.ppo_rlhf:PPORLHFTrainer.loss", "rlcourse.lm.ppo_rlhf:PPORLHFTrainer.step",
-    "rlcourse.lm.ppo_rlhf:PPORLHFTrainer.train",
-    "rlcourse.lm.seed_batched_ppo:SeedBatchedPPORLHFTrainer.advantages",
-    "rlcourse.lm.seed_batched_ppo:SeedBatchedPPORLHFTrainer.losses",
-    "rlcourse.lm.seed_batched_ppo:SeedBatchedPPORLHFTrainer.loss",
-    "rlcourse.lm.seed_batched_ppo:SeedBatchedPPORLHFTrainer.step",
+    "rlcourse.trainers.ppo_rlhf:PPORLHFTrainer.token_rewards", "rlcourse.trainers.ppo_rlhf:PPORLHFTrainer.advantages",
+    "rlcourse.trainers.ppo_rlhf:PPORLHFTrainer.loss", "rlcourse.trainers.ppo_rlhf:PPORLHFTrainer.step",
+    "rlcourse.trainers.ppo_rlhf:PPORLHFTrainer.train",
+    "rlcourse.trainers.ppo_rlhf_seeds:SeedBatchedPPORLHFTrainer.advantages",
+    "rlcourse.trainers.ppo_rlhf_seeds:SeedBatchedPPORLHFTrainer.losses",
+    "rlcourse.trainers.ppo_rlhf_seeds:SeedBatchedPPORLHFTrainer.loss",
+    "rlcourse.trainers.ppo_rlhf_seeds:SeedBatchedPPORLHFTrainer.step",
 )
 
 # Lesson 10c's off-policy corrections (its exercises hand out group_advantages, per_token_loss and aggregate_loss).
 OFF_POLICY_CORRECTIONS = (
     "rlcourse.losses.off_policy:sampler_importance_weights", "rlcourse.losses.off_policy:off_policy_sequence_mask",
-    "rlcourse.lm.policy_gradient:attach_sampler_logprobs",
+    "rlcourse.trainers.policy_gradient:attach_sampler_logprobs",
 )
 # An online-DPO round (lesson 11b's exercises hand out dpo_sigmoid_loss): the pairs and the trainers.
 ONLINE_DPO = ("rlcourse.losses.beyond_dpo:online_dpo_pairs",) + PREFERENCE_TRAINERS + (
     "rlcourse.losses.beyond_dpo:preference_objective",)
 # Lesson 10b's strict judge of a filler-addition answer, and the rewards built on it.
 STRICT_FILLER_REWARD = (
-    "rlcourse.lm.tasks:FillerAdditionTask.is_right", "rlcourse.lm.tasks:FillerAdditionTask.reward",
-    "rlcourse.lm.verifiers:FillerVerifiers.is_right", "rlcourse.lm.verifiers:FillerVerifiers.answer_reward",
-    "rlcourse.lm.verifiers:FillerVerifiers.format_reward", "rlcourse.lm.verifiers:extract_answer",
+    "rlcourse.tasks.arithmetic:FillerAdditionTask.is_right", "rlcourse.tasks.arithmetic:FillerAdditionTask.reward",
+    "rlcourse.tasks.verifiers:FillerVerifiers.is_right", "rlcourse.tasks.verifiers:FillerVerifiers.answer_reward",
+    "rlcourse.tasks.verifiers:FillerVerifiers.format_reward", "rlcourse.tasks.verifiers:extract_answer",
 )
 
 # Each grading module's own reference helpers: the reference step, run or measurement its checks compare
@@ -126,7 +126,7 @@ REFERENCE_HELPERS = {
 
 
 def helpers_of(module: str) -> tuple[str, ...]:
-    """``"module:helper"`` for the reference helpers of the grading module ``module`` (``rlcourse.grading.lessonNN``)
+    """``"module:helper"`` for the reference helpers of the grading module ``module`` (``rlcourse.grading.llm.lessonNN`` or ``classic``)
     and the shared ones of ``rlcourse.grading._steps``."""
     shared = tuple(f"rlcourse.grading._steps:{name}" for name in REFERENCE_HELPERS["_steps"])
     return tuple(f"{module}:{name}" for name in REFERENCE_HELPERS.get(module.rpartition(".")[2], ())) + shared

@@ -21,7 +21,8 @@ __all__ = ["addition_start", "moved_copy", "train_from_addition", "RecordingSGD"
 def addition_start():
     """``(task, model, tokenizer)``: the addition task and the ``addition-partial`` checkpoint in eval mode,
     which the step checks train."""
-    from rlcourse.lm import AdditionTask, load_checkpoint
+    from rlcourse.tasks import AdditionTask
+    from rlcourse.lm import load_checkpoint
 
     start, tokenizer = load_checkpoint("addition-partial", device="cpu")
     return AdditionTask(), start.eval(), tokenizer
@@ -148,7 +149,7 @@ def train_from_addition(step, steps: int, lr: float, prompts_per_step: int, held
 
     import numpy as np
 
-    from rlcourse.lm import exact_match
+    from rlcourse.trainers import exact_match
 
     task, start, tokenizer = addition_start()
     prompts = task.test_prompts(held_out)

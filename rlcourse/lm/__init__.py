@@ -1,44 +1,32 @@
-"""A tiny GPT as a policy: tokenizer, model factory, tasks with verifiers, sampler, log-probs, SFT.
+"""The language-model substrate: a tiny GPT as a policy, and what every trainer does with it.
 
-    from rlcourse.lm import load_checkpoint, sample, sequence_logprobs, AdditionTask
+Tokenizer (:mod:`~rlcourse.lm.tokenizer`), model factory (:mod:`~rlcourse.lm.model`), the shipped
+checkpoints (:mod:`~rlcourse.lm.checkpoints`), the lean GPT-2 forward (:mod:`~rlcourse.lm.fast_gpt2`),
+the sampler (:mod:`~rlcourse.lm.sampling`), log-probs and masks (:mod:`~rlcourse.lm.logprobs`),
+samplers that compute differently from the trainer (:mod:`~rlcourse.lm.off_policy_samplers`,
+lesson 10c), a body with a scalar head for reward models and critics (:mod:`~rlcourse.lm.scalar_head`,
+:mod:`~rlcourse.lm.value_model`), and many seeds stacked in one model (:mod:`~rlcourse.lm.seed_stack`).
+Lessons 07 on use it. It imports nothing from tasks, trainers, measurements or interop.
+
+    from rlcourse.lm import load_checkpoint, sample, sequence_logprobs
+    from rlcourse.tasks import AdditionTask
     model, tokenizer = load_checkpoint("addition-partial")
     task = AdditionTask()
     rollout = sample(model, tokenizer, task.prompts(8, rng=0), task.max_new_tokens)
     rewards = task.reward(rollout.prompts, rollout.completions)
 """
-from rlcourse.lm.checkpoints import (available_checkpoints, checkpoint_info, load_checkpoint,
-                                     save_checkpoint)
+from rlcourse.lm.checkpoints import available_checkpoints, checkpoint_info, load_checkpoint, save_checkpoint
 from rlcourse.lm.logprobs import (next_token_logprobs, position_ids_from_mask, sequence_logprobs,
                                   token_logprobs_from_logits)
 from rlcourse.lm.model import SIZES, count_parameters, frozen_copy, make_model
 from rlcourse.lm.sampling import Rollout, sample
-from rlcourse.lm.sft import exact_match, train_sft
-from rlcourse.lm.tasks import AdditionTask, DigitSumTask, FillerAdditionTask, PreferenceTask
+from rlcourse.lm.scalar_head import ScalarHeadModel, score_completions
 from rlcourse.lm.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
+from rlcourse.lm.value_model import make_value_model
 
 __all__ = [
-    "AdditionTask", "DEFAULT_ALPHABET", "DigitSumTask", "FillerAdditionTask", "PreferenceTask", "Rollout", "SIZES",
-    "available_checkpoints", "build_char_tokenizer", "checkpoint_info", "count_parameters",
-    "exact_match", "frozen_copy", "load_checkpoint", "make_model", "next_token_logprobs", "position_ids_from_mask",
-    "sample", "save_checkpoint", "sequence_logprobs", "token_logprobs_from_logits", "train_sft",
+    "DEFAULT_ALPHABET", "Rollout", "SIZES", "ScalarHeadModel", "available_checkpoints", "build_char_tokenizer",
+    "checkpoint_info", "count_parameters", "frozen_copy", "load_checkpoint", "make_model", "make_value_model",
+    "next_token_logprobs", "position_ids_from_mask", "sample", "save_checkpoint", "score_completions",
+    "sequence_logprobs", "token_logprobs_from_logits",
 ]
-
-# Lessons 09-10: the critic-free policy-gradient trainer and the enumerable policy (exact oracle).
-from rlcourse.lm.exact_oracle import EnumerablePolicy  # noqa: E402
-from rlcourse.lm.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer  # noqa: E402
-
-__all__ += ["EnumerablePolicy", "PolicyGradientConfig", "PolicyGradientTrainer"]
-
-# Lesson 08: reward models, the critic, PPO-RLHF and best-of-n.
-from rlcourse.lm.best_of_n import best_of_n, best_of_n_kl  # noqa: E402
-from rlcourse.lm.ppo_rlhf import PPOConfig, PPORLHFTrainer  # noqa: E402
-from rlcourse.lm.reward_model import ScalarHeadModel, score_completions, train_reward_model  # noqa: E402
-from rlcourse.lm.value_model import make_value_model  # noqa: E402
-
-__all__ += ["PPOConfig", "PPORLHFTrainer", "ScalarHeadModel", "best_of_n", "best_of_n_kl", "make_value_model",
-            "score_completions", "train_reward_model"]
-
-# Lesson 11: DPO.
-from rlcourse.lm.dpo import DPOConfig, train_dpo  # noqa: E402
-
-__all__ += ["DPOConfig", "train_dpo"]

@@ -3,7 +3,7 @@
 ``load_checkpoint("addition")`` returns ``(model, tokenizer)`` read from
 ``rlcourse/checkpoints/addition/`` (safetensors weights, the GPT-2 config, the tokenizer and a
 ``recipe.json`` that records how it was trained and what it measured). Every checkpoint is
-reproduced by ``python -m rlcourse.lm.train NAME`` (see :mod:`rlcourse.lm.train` for recipes).
+reproduced by ``python -m rlcourse.tools.train_checkpoints NAME`` (see :mod:`rlcourse.tools.train_checkpoints` for recipes).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def checkpoint_path(name: str) -> Path:
     path = CHECKPOINT_DIR / name
     if not (path / "config.json").is_file():
         raise ValueError(f"no checkpoint named {name!r}; available: {available_checkpoints()} "
-                         f"(make one with `python -m rlcourse.lm.train {name}`)")
+                         f"(make one with `python -m rlcourse.tools.train_checkpoints {name}`)")
     return path
 
 

@@ -63,7 +63,7 @@ def supports(model) -> bool:
 
 
 def supports_scalar_head(model) -> bool:
-    """True for a :class:`~rlcourse.lm.reward_model.ScalarHeadModel` (a reward model or critic) on a
+    """True for a :class:`~rlcourse.lm.scalar_head.ScalarHeadModel` (a reward model or critic) on a
     plain GPT-2 body whose head has the body's dtype: :func:`completion_window_values` computes it."""
     if type(model).__name__ != "ScalarHeadModel":
         return False
@@ -78,7 +78,7 @@ def _body(model):
 
 
 def num_seeds(model) -> int | None:
-    """S for a seed-stacked model (:func:`rlcourse.lm.seed_batch.stack_models`), None for a plain one."""
+    """S for a seed-stacked model (:func:`rlcourse.lm.seed_stack.stack_models`), None for a plain one."""
     return getattr(model, "rlcourse_num_seeds", None)
 
 
@@ -228,7 +228,7 @@ def completion_window_logits(model, prompt_ids, prompt_mask, completion_ids, com
 def completion_window_values(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
     """A scalar-head model's values (B, T + 1), ``v = LN_f(h) . w_head``, at the same columns, with grad.
 
-    The same numbers as :class:`~rlcourse.lm.reward_model.ScalarHeadModel`'s forward read at columns
+    The same numbers as :class:`~rlcourse.lm.scalar_head.ScalarHeadModel`'s forward read at columns
     ``P - 1`` to ``P + T - 1`` (:func:`supports_scalar_head` models; stacked ones too: seed ``s``'s
     rows meet seed ``s``'s body and head).
     """

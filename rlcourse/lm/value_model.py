@@ -1,6 +1,6 @@
 """The critic of PPO-RLHF: one value per completion token, ``V(s_t)`` with ``s_t = (x, y_<t)``.
 
-It is a :class:`~rlcourse.lm.reward_model.ScalarHeadModel` read at every position instead of the
+It is a :class:`~rlcourse.lm.scalar_head.ScalarHeadModel` read at every position instead of the
 last one. The value of the state *before* completion token ``t`` is the head's output at the
 column that predicts that token: column ``P - 1 + t`` of ``[prompt | completion]``, the same
 shift as for log-probs. So ``V(s_0)`` is read at the prompt's last token, and nothing is read at
@@ -21,7 +21,7 @@ import copy
 import torch
 
 from rlcourse.lm import fast_gpt2
-from rlcourse.lm.reward_model import ScalarHeadModel
+from rlcourse.lm.scalar_head import ScalarHeadModel
 
 __all__ = ["make_value_model", "token_values"]
 
@@ -46,7 +46,7 @@ def token_values(value_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
                  completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
     """``(B, T)`` values ``V(x, y_<t)`` of the states before each completion token, 0 on padding.
 
-    A seed-stacked critic (:func:`rlcourse.lm.seed_batch.stack_models`) has no ``transformers``
+    A seed-stacked critic (:func:`rlcourse.lm.seed_stack.stack_models`) has no ``transformers``
     forward: it goes through the lean GPT-2 forward, which reads the same columns.
     """
     if fast_gpt2.num_seeds(value_model) is not None:

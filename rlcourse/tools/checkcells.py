@@ -10,7 +10,7 @@ trusts) and a copy in the exercise notebook's metadata (``metadata.rlcourse.chec
 nbgrader's checksums: a check cell that is missing, edited (commented out, wrapped in
 ``try``/``except``, given other arguments) or moved before another is reported, and so is a cell
 that binds a ``check_*`` name to anything but that check, assigns into ``rlcourse`` (patching the
-grader) or uses the grader's private code (``rlcourse.grading.lesson10._reference_update``, the
+grader) or uses the grader's private code (``rlcourse.grading.llm.lesson10._reference_update``, the
 reference step a check compares with). What a name is bound to is read by
 :mod:`rlcourse.tools.bindings`: ``from rlcourse.grading import check_gae`` binds the check,
 ``from mine import check_gae`` does not, however either is spelt.
@@ -92,8 +92,8 @@ class Audit:
 
 def _allowed_check(name: str, origins: frozenset) -> bool:
     """Whether a binding of the name ``check_*`` binds it to that very check of ``rlcourse.grading``."""
-    return bool(origins) and all(o == f"rlcourse.grading.{name}" or re.fullmatch(rf"rlcourse\.grading\.lesson\w+\.{name}", o)
-                                 for o in origins)
+    lesson_module = rf"rlcourse\.grading\.(classic|llm)\.lesson\w+\.{name}"
+    return bool(origins) and all(o == f"rlcourse.grading.{name}" or re.fullmatch(lesson_module, o) for o in origins)
 
 
 def _in_rlcourse(origin: str) -> bool:
@@ -101,7 +101,7 @@ def _in_rlcourse(origin: str) -> bool:
 
 
 def grader_internals(origin: str) -> bool:
-    """Whether ``origin`` is private code of the grader (``rlcourse.grading._core``, ``rlcourse.grading.lesson10._x``):
+    """Whether ``origin`` is private code of the grader (``rlcourse.grading._core``, ``rlcourse.grading.llm.lesson10._x``):
     what an answer has no reason to touch, the reference steps the checks compare with among it."""
     parts = origin.split(".")
     return parts[:2] == ["rlcourse", "grading"] and any(
