@@ -25,14 +25,15 @@ when a ``bound`` is given (verl's and OpenRLHF's convention, :data:`ESTIMATE_BOU
 :func:`entropy` drop the vocabulary dimension. Every function takes an optional ``mask`` (the
 shape of its result): masked entries come back as exactly 0 whatever the inputs held there, and
 never leak into the gradient. Averaging or summing over a completion mask is the
-trainer's choice, not the estimator's.
+trainer's choice, not the estimator's. :func:`expected_loss_gradient` gives, exactly, the gradient
+an estimator puts in a loss in expectation over the sampled token.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["kl_k1", "kl_k2", "kl_k3", "exact_kl", "entropy", "KL_ESTIMATORS", "LOG_RATIO_BOUND",
-           "ESTIMATE_BOUND", "as_mask"]
+__all__ = ["kl_k1", "kl_k2", "kl_k3", "exact_kl", "entropy", "expected_loss_gradient", "KL_ESTIMATORS",
+           "LOSS_ESTIMATORS", "LOG_RATIO_BOUND", "ESTIMATE_BOUND", "as_mask"]
 
 # A log-ratio between two policies is clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] wherever it is
 # exponentiated: exp(20) = 4.9e8 is already far beyond any ratio an update should see, while
@@ -222,3 +223,63 @@ def entropy(logp_full, dim: int = -1, mask=None) -> torch.Tensor:
     logp_full = _log_distribution("logp_full", logp_full, dim)
     p = logp_full.exp()
     return _masked(-(p * torch.where(p > 0, logp_full, torch.zeros_like(p))).sum(dim), m)   # 0 log 0 = 0
+
+
+# The estimators whose expected gradient in a loss expected_loss_gradient computes: the three above,
+# and k3 weighted by the importance ratio rho = pi_theta / mu (TRL's use_bias_correction_kl).
+LOSS_ESTIMATORS = ("k1", "k2", "k3", "rho_k3")
+
+
+def expected_loss_gradient(logp_full, logq_full, estimator: str, sampler_logp_full=None) -> torch.Tensor:
+    """The gradient that a KL estimator put in a loss follows, in expectation over the sampled token:
+
+        g = E_{v ~ mu}[ d k(v) / d z ] = sum_v mu(v) d k(v) / d z,    pi = softmax(z),
+
+    exactly, over the whole vocabulary (the last dimension). The sampled token ``v`` is a constant
+    and so is the sampler ``mu``: ``mu = exp(sampler_logp_full)``, or the policy itself, frozen at
+    sampling time, when ``sampler_logp_full`` is None. With ``r = pi_ref(v) / pi(v)`` and
+    ``rho = pi(v) / mu(v)``, and ``d log pi(v) / d z = e_v - pi``:
+
+    ============  ==========================  =====================================================
+    estimator     k(v)                        d k(v) / d log pi(v)
+    ============  ==========================  =====================================================
+    ``"k1"``      ``-log r``                  ``1``
+    ``"k2"``      ``(log r)^2 / 2``           ``log(pi / pi_ref)``
+    ``"k3"``      ``(r - 1) - log r``         ``1 - r``
+    ``"rho_k3"``  ``rho * ((r - 1) - log r)`` ``rho * (k3 + 1 - r) = rho * log(pi / pi_ref)``
+    ============  ==========================  =====================================================
+
+    so ``g = c - pi * sum_v c(v)`` with ``c(v) = mu(v) * d k(v) / d log pi(v)``. On-policy
+    (``mu = pi``) this is 0 for k1, ``grad KL(pi || pi_ref)`` for k2, ``grad KL(pi_ref || pi)`` (the
+    *forward* KL) for k3; for ``rho_k3``, ``mu * rho = pi`` makes it ``grad KL(pi || pi_ref)`` from any
+    sampler whose support covers pi's (TRL 1.16's default in GRPO's loss; the ratio's value is 1
+    on-policy, its gradient is what matters). Lesson 07b measures these.
+
+    Args:
+        logp_full: ``(..., V)`` log-probabilities of the policy ``pi`` (``log_softmax`` of its logits).
+        logq_full: ``(..., V)`` log-probabilities of the reference ``pi_ref``.
+        estimator: one of :data:`LOSS_ESTIMATORS`.
+        sampler_logp_full: ``(..., V)`` log-probabilities of the sampler ``mu``, or None for ``mu = pi``.
+
+    Returns:
+        ``(..., V)``: the expected gradient with respect to the policy's logits, without a graph.
+    """
+    if estimator not in LOSS_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {LOSS_ESTIMATORS}, got {estimator!r}")
+    logp = _log_distribution("logp_full", torch.as_tensor(logp_full).detach(), -1)
+    logq = _log_distribution("logq_full", torch.as_tensor(logq_full).detach(), -1)
+    logmu = logp if sampler_logp_full is None else _log_distribution(
+        "sampler_logp_full", torch.as_tensor(sampler_logp_full).detach(), -1)
+    if not logp.shape == logq.shape == logmu.shape:
+        raise ValueError(f"logp_full, logq_full and sampler_logp_full must have one shape (..., V), got "
+                         f"{tuple(logp.shape)}, {tuple(logq.shape)} and {tuple(logmu.shape)}")
+    log_pi_over_ref = logp - logq
+    if estimator == "k1":
+        c = logmu.exp()
+    elif estimator == "k2":
+        c = logmu.exp() * log_pi_over_ref
+    elif estimator == "k3":
+        c = logmu.exp() - torch.exp(logmu - log_pi_over_ref)            # mu (1 - r), r computed in logs
+    else:
+        c = logp.exp() * log_pi_over_ref                                # mu * rho * log(pi / pi_ref), mu * rho = pi
+    return c - logp.exp() * c.sum(-1, keepdim=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grading_asserts import assert_fails, assert_passes, grading_tests
-from rlcourse.grading.llm.lesson07b import check_exact_kl, check_kl_estimators, check_kl_k3
+from rlcourse.grading.llm.lesson07b import check_exact_kl, check_expected_kl_gradient, check_kl_estimators, check_kl_k3
 
 
 # --- the exact KL over the vocabulary ------------------------------------------------------------
@@ -199,3 +199,128 @@ def test_kl_estimators_right_answers_pass(answer, capsys):
 ], ids=lambda x: getattr(x, "__name__", None) if callable(x) else None)
 def test_families_the_checks_now_vary(check, wrong, hint):
     assert_fails(check, wrong, hint)
+
+
+# --- the expected gradient of an estimator in a loss ------------------------------------------------
+
+def _k(lp, lq, estimator, log_rho):
+    log_r = lq - lp
+    k3 = log_r.exp() - 1 - log_r
+    return {"k1": -log_r, "k2": 0.5 * log_r ** 2, "k3": k3, "rho_k3": log_rho.exp() * k3}[estimator]
+
+
+def expected_gradient_ok(logits, ref_logits, estimator, sampler_logits=None):
+    """By autograd: the sampled tokens' weights mu(v) are constants, k is differentiated."""
+    z = logits.detach().clone().requires_grad_(True)
+    lp, lq = torch.log_softmax(z, -1), torch.log_softmax(ref_logits, -1)
+    lmu = lp.detach() if sampler_logits is None else torch.log_softmax(sampler_logits, -1)
+    (g,) = torch.autograd.grad((lmu.exp() * _k(lp, lq, estimator, lp - lmu)).sum(), z)
+    return g
+
+
+def expected_gradient_ok_closed_form(logits, ref_logits, estimator, sampler_logits=None):
+    """d log pi(v) / dz = e_v - pi, so the answer is c - pi * sum(c) with c(v) = mu(v) dk/dlog pi(v)."""
+    lp, lq = torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1)
+    lmu = lp if sampler_logits is None else torch.log_softmax(sampler_logits, -1)
+    mu, d = lmu.exp(), lp - lq
+    c = {"k1": mu, "k2": mu * d, "k3": mu * (1 - (-d).exp()), "rho_k3": lp.exp() * d}[estimator]
+    return c - lp.exp() * c.sum(-1, keepdim=True)
+
+
+def _variant(logits, ref_logits, estimator, sampler_logits=None, *, weights="mu", rho="kept", r="kept",
+             scale=1.0, wrt="logits", k2_half=0.5):
+    z = logits.detach().clone().requires_grad_(True)
+    lp = torch.log_softmax(z, -1)
+    leaf = lp.detach().clone().requires_grad_(True) if wrt == "logp" else None
+    lp = leaf if leaf is not None else lp
+    lq = torch.log_softmax(ref_logits, -1)
+    lmu = lp.detach() if sampler_logits is None else torch.log_softmax(sampler_logits, -1)
+    log_r = {"kept": lq - lp, "inverted": lp - lq}.get(r, lq - lp)
+    ratio = log_r.detach().exp() if r == "detached" else log_r.exp()
+    k3 = ratio - 1 - log_r
+    log_rho = {"kept": lp - lmu, "detached": (lp - lmu).detach(), "itself": lp - lp, "inverted": lmu - lp}[rho]
+    k = {"k1": -log_r, "k2": k2_half * log_r ** 2, "k3": k3, "rho_k3": log_rho.exp() * k3}[estimator]
+    w = {"mu": lmu.exp(), "pi with its gradient": lp.exp(), "pi": lp.exp().detach()}[weights]
+    (g,) = torch.autograd.grad((w * k).sum(), leaf if leaf is not None else z)
+    return scale * g
+
+
+def _wrong(**mistake):
+    def fn(logits, ref_logits, estimator, sampler_logits=None):
+        return _variant(logits, ref_logits, estimator, sampler_logits, **mistake)
+    fn.__name__ = "expected_gradient_" + "_".join(f"{k}={v}" for k, v in mistake.items()).replace(" ", "_")
+    return fn
+
+
+def expected_gradient_of_the_kl(logits, ref_logits, estimator, sampler_logits=None):
+    z = logits.detach().clone().requires_grad_(True)
+    lp, lq = torch.log_softmax(z, -1), torch.log_softmax(ref_logits, -1)
+    (g,) = torch.autograd.grad((lp.exp() * (lp - lq)).sum(), z)
+    return g
+
+
+def expected_gradient_mean_over_vocabulary(logits, ref_logits, estimator, sampler_logits=None):
+    return expected_gradient_ok(logits, ref_logits, estimator, sampler_logits) / logits.shape[-1]
+
+
+def expected_gradient_sampled(logits, ref_logits, estimator, sampler_logits=None):     # Monte Carlo, unseeded
+    z = logits.detach().clone().requires_grad_(True)
+    lp, lq = torch.log_softmax(z, -1), torch.log_softmax(ref_logits, -1)
+    lmu = lp.detach() if sampler_logits is None else torch.log_softmax(sampler_logits, -1)
+    flat_mu = lmu.exp().reshape(-1, logits.shape[-1])
+    counts = torch.stack([torch.bincount(torch.multinomial(row.float(), 4000, replacement=True),
+                                         minlength=logits.shape[-1]) for row in flat_mu]).view_as(lp)
+    (g,) = torch.autograd.grad((counts.to(lp.dtype) / 4000 * _k(lp, lq, estimator, lp - lmu)).sum(), z)
+    return g
+
+
+def expected_gradient_sampled_seeded(logits, ref_logits, estimator, sampler_logits=None):   # repeatable, still noisy
+    torch.manual_seed(0)
+    return expected_gradient_sampled(logits, ref_logits, estimator, sampler_logits)
+
+
+RATIO_WEIGHTED = "rho_k3"
+
+
+def expected_gradient_with_is(logits, ref_logits, estimator, sampler_logits=None):
+    if estimator is RATIO_WEIGHTED:          # the mistake: identity, not equality (False for a string built at run time)
+        return expected_gradient_ok(logits, ref_logits, "rho_k3", sampler_logits)
+    return expected_gradient_ok(logits, ref_logits, "k3" if estimator == "rho_k3" else estimator, sampler_logits)
+
+
+def expected_gradient_in_float32(logits, ref_logits, estimator, sampler_logits=None):
+    return expected_gradient_ok(logits.float(), ref_logits.float(), estimator,
+                                None if sampler_logits is None else sampler_logits.float())
+
+
+def expected_gradient_in_place(logits, ref_logits, estimator, sampler_logits=None):
+    ref_logits -= ref_logits.max(-1, keepdim=True).values
+    return expected_gradient_ok(logits, ref_logits, estimator, sampler_logits)
+
+
+@pytest.mark.parametrize("answer", [expected_gradient_ok, expected_gradient_ok_closed_form])
+def test_expected_gradient_right_answers_pass(answer, capsys):
+    assert_passes(check_expected_kl_gradient, answer, capsys)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_wrong(weights="pi with its gradient"), "gradient of the expected value"),       # the value's gradient
+    (_wrong(weights="pi"), "the tokens come from the sampler"),                         # the sampler ignored
+    (_wrong(rho="detached"), "rho.detach()"),                                           # the score-function term lost
+    (_wrong(rho="itself"), "never exp(log pi - log pi)"),                               # mu not held constant
+    (_wrong(rho="inverted"), "the policy over the sampler"),
+    (_wrong(r="inverted"), "the reference over the policy"),
+    (_wrong(r="detached"), "keep its gradient"),                                       # k3's ratio detached
+    (_wrong(scale=-1.0), "the sign is flipped"),
+    (_wrong(wrt="logp"), "with respect to the logits"),
+    (_wrong(k2_half=1.0), "mind the 1/2"),
+    (expected_gradient_of_the_kl, "grad KL(pi || pi_ref) itself"),
+    (expected_gradient_mean_over_vocabulary, "not a mean over the vocabulary"),
+    (expected_gradient_sampled, "it samples"),
+    (expected_gradient_sampled_seeded, "summed exactly"),
+    (expected_gradient_with_is, None),
+    (expected_gradient_in_float32, "float64"),
+    (expected_gradient_in_place, "modified in place"),
+], ids=lambda x: getattr(x, "__name__", None) if callable(x) else None)
+def test_expected_gradient_wrong_answers_fail_with_a_hint(wrong, hint):
+    assert_fails(check_expected_kl_gradient, wrong, hint)

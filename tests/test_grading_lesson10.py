@@ -211,7 +211,7 @@ def test_length_bias_experiment_check_catches(wrong, hint):
 
 # ------------------------------------------------------------------ the GRPO loss
 def grpo_loss_ok(logp, old, ref, adv, mask, loss_type, epsilon=0.2, epsilon_high=None, beta=0.0, L=None, *,
-                 sign=-1.0, pick=torch.minimum, ratio_to="old", clip=None, kl="k3", select=True, detach=False,
+                 sign=-1.0, pick=torch.minimum, ratio_to="old", clip=None, kl="ratio k3", select=True, detach=False,
                  normaliser=None):
     """A correct answer; each keyword turns one plausible mistake on."""
     real = mask.bool()
@@ -227,8 +227,10 @@ def grpo_loss_ok(logp, old, ref, adv, mask, loss_type, epsilon=0.2, epsilon_high
     if beta:
         r = torch.where(real, ref, zero)
         d = r - lp
-        per_token = per_token + beta * {"k3": d.exp() - d - 1, "k3 reversed": (-d).exp() + d - 1, "k1": -d,
-                                        "ratio k3": rho * (d.exp() - d - 1)}[kl]
+        k3 = d.exp() - d - 1
+        per_token = per_token + beta * {"ratio k3": rho * k3, "k3": k3, "ratio k3 reversed": rho * ((-d).exp() + d - 1),
+                                        "ratio k1": rho * -d, "detached ratio k3": rho.detach() * k3,
+                                        "clipped ratio k3": rho.clamp(1 - lo, 1 + hi) * k3}[kl]
     m = mask.to(per_token.dtype)
     total = torch.where(real, per_token, zero) if select else per_token * m
     loss_type = normaliser or loss_type
@@ -253,9 +255,11 @@ GRPO_LOSS_MISTAKES = {
     "no clip": dict(clip=lambda e, h: (1e9, 1e9)),
     "the clip's sides swapped": dict(clip=lambda e, h: (h, e)),
     "epsilon_high ignored": dict(clip=lambda e, h: (e, e)),
-    "k3 of the reverse direction": dict(kl="k3 reversed"),
-    "k1 for k3": dict(kl="k1"),
-    "TRL's ratio-weighted k3": dict(kl="ratio k3"),
+    "k3 of the reverse direction": dict(kl="ratio k3 reversed"),
+    "k1 for k3": dict(kl="ratio k1"),
+    "DeepSeekMath's plain k3": dict(kl="k3"),
+    "the ratio detached in the KL term": dict(kl="detached ratio k3"),
+    "the clipped ratio in the KL term": dict(kl="clipped ratio k3"),
     "padding multiplied by the mask (nan)": dict(select=False),
     "the ratio of detached log-probs": dict(detach=True),
     "always the token mean": dict(normaliser="dapo"),
@@ -273,6 +277,34 @@ def test_grpo_loss_check(capsys):
 def test_grpo_loss_check_catches(mistake):
     with pytest.raises(CheckFailed):
         check_grpo_loss(_wrong_loss(**mistake))
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    (dict(kl="k3"), "DeepSeekMath's plain k3"),
+    (dict(kl="clipped ratio k3"), "unclipped ratio"),
+    (dict(kl="detached ratio k3"), "Keep the ratio's gradient in the KL term"),
+], ids=["plain-k3", "clipped-ratio-on-k3", "detached-ratio-on-k3"])
+def test_grpo_loss_check_names_the_kl_terms_mistakes(mistake, hint):
+    assert_fails(check_grpo_loss, _wrong_loss(**mistake), hint)
+
+
+def test_on_policy_batch_fails_plain_k3_and_a_detached_ratio_by_the_gradient_only():
+    """Where every ratio is 1, rho * k3 = k3 in value: only the gradient tells them apart."""
+    from rlcourse.grading.llm.lesson10 import _loss_cases, _on_policy_batch
+
+    ((case, logp, old, ref, adv, mask),) = _on_policy_batch(_loss_cases(103))
+    assert torch.equal(old.nan_to_num(), logp.nan_to_num()) and "on-policy" in case
+    for kl in ("k3", "detached ratio k3"):
+        mine, right = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+        wrong = grpo_loss_ok(mine, old, ref, adv, mask, "dapo", 0.2, None, 0.1, 8, kl=kl)
+        expected = grpo_loss_ok(right, old, ref, adv, mask, "dapo", 0.2, None, 0.1, 8)
+        assert torch.equal(wrong, expected)
+        wrong.backward()
+        expected.backward()
+        assert not torch.allclose(torch.where(mask.bool(), mine.grad, 0.0), torch.where(mask.bool(), right.grad, 0.0))
+    message = assert_fails(check_grpo_loss, lambda *a: grpo_loss_ok(*a, kl="k3")      # plain k3 where rho = 1 only
+                           if torch.equal(a[0].detach().nan_to_num(), a[1].nan_to_num()) else grpo_loss_ok(*a))
+    assert "on-policy" in message and "gradient" in message and "Keep the ratio's gradient" in message
 
 
 # ------------------------------------------------------------------ CISPO and SAPO

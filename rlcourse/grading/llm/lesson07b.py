@@ -1,5 +1,5 @@
-"""Checks for lesson 07b (KL to a reference): the exact KL over a vocabulary, the k3 estimator, and
-the experiment that measures k1 against k3 on samples.
+"""Checks for lesson 07b (KL to a reference): the exact KL over a vocabulary, the k3 estimator, the
+experiment that measures k1 against k3 on samples, and the expected gradient each estimator puts in a loss.
 
 Each check compares the learner's function with the reference in :mod:`rlcourse.kl` on inputs
 built to expose one plausible mistake each: the KL's direction reversed, the ratio inverted,
@@ -7,6 +7,12 @@ built to expose one plausible mistake each: the KL's direction reversed, the rat
 instead of a sum; and on the families every check probes: extreme magnitudes, inputs written in
 place (the caller's own tensors are compared after the call), and a KL whose gradient does not
 reach the logits.
+
+:func:`check_expected_kl_gradient` recognises, each with its own hint: the gradient of the expected value
+(the weights left with their gradient), the sampler ignored, a flipped sign, a mean over the vocabulary,
+the KL's own gradient whatever the estimator, the gradient with respect to the log-probs instead of the
+logits, k2 without its 1/2, k3's ratio inverted or held constant, the importance ratio detached, made
+identically 1 (``exp(log pi - log pi)``) or inverted; and an answer that samples (two calls differ).
 """
 from __future__ import annotations
 
@@ -15,10 +21,11 @@ import numpy as np
 import torch
 
 from rlcourse import kl
-from rlcourse.grading._core import assert_close, call_unmutated, fail, gradient_flowing, passed, references, to_numpy
+from rlcourse.grading._core import (assert_close, call_unmutated, fail, fail_if_mistake, gradient_flowing, passed,
+                                    references, to_numpy)
 from rlcourse.grading.llm.lesson07 import _grad_free
 
-__all__ = ["check_exact_kl", "check_kl_k3", "check_kl_estimators"]
+__all__ = ["check_exact_kl", "check_kl_k3", "check_kl_estimators", "check_expected_kl_gradient"]
 
 
 def kept_float64(name: str, case: str, got, *inputs) -> None:
@@ -249,3 +256,162 @@ def check_kl_estimators(fn) -> None:
         fail(name, case, f"a spread across seeds near sd(k1) / sqrt({small}) = {sd / np.sqrt(small):.4f}",
              f"{float(means.std(ddof=1)):.4f}", hint)
     passed(name, n + 2)
+
+
+def _estimator_gradient_mistakes(logits, ref_logits, estimator, sampler_logits):
+    """What the usual mistakes give for ``sum_v mu(v) d k(v) / d logits`` on one case (float64), each with
+    the hint that names it: differentiated by autograd, one surrogate per mistake."""
+    __tracebackhide__ = True
+    z = logits.detach().double().clone().requires_grad_(True)
+    logq = torch.log_softmax(ref_logits.detach().double(), -1)
+    on_policy = sampler_logits is None
+    logp0 = torch.log_softmax(z.detach(), -1)
+    logmu = logp0 if on_policy else torch.log_softmax(sampler_logits.detach().double(), -1)
+    mu, V = logmu.exp(), logits.shape[-1]
+
+    def k(lp, r_inverted=False, r_constant=False, rho="kept", mu_log=logmu):
+        log_r = (lp - logq) if r_inverted else (logq - lp)
+        r = log_r.detach().exp() if r_constant else log_r.exp()
+        if estimator == "k1":
+            return -log_r
+        if estimator == "k2":
+            return 0.5 * log_r ** 2
+        k3 = r - 1 - log_r
+        if estimator == "k3":
+            return k3
+        log_rho = lp - mu_log
+        return {"kept": log_rho.exp(), "detached": log_rho.exp().detach(), "inverted": (-log_rho).exp()}[rho] * k3
+
+    def grad(surrogate):
+        (g,) = torch.autograd.grad(surrogate(torch.log_softmax(z, -1)), z)
+        return g
+
+    right = kl.expected_loss_gradient(logp0, logq, estimator, None if on_policy else logmu)
+    keep_rho = ("the ratio rho = pi / mu is 1 in value on-policy, but its gradient rho * grad log pi is the point of "
+                "rho * k3: it adds the score-function term that turns k3's gradient (the forward KL's) into the "
+                "reverse KL's. Keep pi's gradient in rho and hold only mu constant (on-policy mu is pi detached: "
+                "rho = exp(log pi - log pi.detach()), never exp(log pi - log pi), which is 1 with no gradient, nor "
+                "rho.detach())")
+    mistakes = [
+        (grad(lambda lp: (lp.exp() * k(lp)).sum()),
+         "that is the gradient of the expected value, grad sum_v pi(v) k(v)"
+         + (" (for k1 and k3, whose mean is the KL, that is grad KL(pi || pi_ref) itself)" if estimator in ("k1", "k3")
+            else "") + ": it adds the score-function term "
+         "sum_v k(v) grad pi(v), which a loss on sampled tokens never sees (autograd differentiates k at tokens "
+         "already drawn). Weight each token by its sampling probability as a constant (detached) and "
+         "differentiate k only"),
+        (grad(lambda lp: (lp.exp().detach() * k(lp)).sum()),
+         "the tokens come from the sampler mu = softmax(sampler_logits): weight each token by mu(v), a constant"
+         + (" (rho = pi / mu already turns the expectation under mu into one under pi: weighting by pi as well "
+            "counts it twice)" if estimator == "rho_k3" else "")),
+        (-right, "the sign is flipped: differentiate k itself, as a loss does (d k1 / d log pi = +1)"),
+        (right / V, "sum over every token, each weighted by its probability: an expectation is a weighted sum, "
+                    "not a mean over the vocabulary"),
+        (grad(lambda lp: kl.exact_kl(lp, logq).sum()),
+         "that is grad KL(pi || pi_ref) itself: the exercise asks for the expected gradient of the estimator you "
+         "are given, sum_v mu(v) grad k(v), which equals the KL's only for some estimators and samplers (the "
+         "cell after the check measures which)"),
+    ]
+    lp_leaf = logp0.clone().requires_grad_(True)
+    (wrt_logp,) = torch.autograd.grad((mu * k(lp_leaf)).sum(), lp_leaf)
+    mistakes.append((wrt_logp, "that is the gradient with respect to the log-probs; the answer is with respect to "
+                               "the logits z: log pi(v) = z_v - logsumexp(z) moves with every logit, "
+                               "d log pi(v) / d z = e_v - pi (differentiate through log_softmax)"))
+    if estimator == "k2":
+        mistakes.append((2 * right, "k2 = (log(pi / pi_ref))^2 / 2: mind the 1/2"))
+    if estimator in ("k3", "rho_k3"):
+        mistakes += [
+            (grad(lambda lp: (mu * k(lp, r_inverted=True)).sum()),
+             "k3 = (r - 1) - log r with r = pi_ref(v) / pi(v): the reference over the policy"),
+            (grad(lambda lp: (mu * k(lp, r_constant=True)).sum()),
+             "r = pi_ref / pi depends on the logits through pi: keep its gradient (d k3 / d log pi = 1 - r); "
+             "with r held constant k3's gradient is k1's"),
+        ]
+    if estimator == "rho_k3":
+        mistakes += [
+            (grad(lambda lp: (mu * k(lp, rho="detached")).sum()), keep_rho),
+            (grad(lambda lp: (mu * k(lp, mu_log=lp)).sum()), keep_rho),      # rho = exp(log pi - log pi) = 1
+            (grad(lambda lp: (mu * k(lp, rho="inverted")).sum()),
+             "rho = pi(v) / mu(v), the policy over the sampler: the importance ratio that turns an expectation "
+             "under mu into one under pi"),
+        ]
+    return right, mistakes
+
+
+@references("rlcourse.kl:expected_loss_gradient", "rlcourse.kl:kl_k1", "rlcourse.kl:kl_k2", "rlcourse.kl:kl_k3",
+            "rlcourse.losses.grpo:per_token_loss")
+def check_expected_kl_gradient(fn) -> None:
+    """``fn(logits, ref_logits, estimator, sampler_logits=None) -> (..., V)``: the gradient a KL estimator put in
+    a loss follows, in expectation over the sampled token, exactly:
+    ``sum_v mu(v) d k(v) / d logits`` with ``pi = softmax(logits)``, ``pi_ref = softmax(ref_logits)`` and the
+    sampler ``mu = softmax(sampler_logits)`` (``pi`` itself, held constant, when ``sampler_logits`` is None);
+    ``estimator`` is ``"k1"``, ``"k2"``, ``"k3"`` or ``"rho_k3"`` (k3 times ``rho = pi / mu``, TRL's
+    ``use_bias_correction_kl``).
+
+    Every input is varied: the estimator (strings built at run time), the vocabulary size (2 to 17), the
+    batch shape, the logits' scale, the reference, the sampler (none, the policy itself passed explicitly,
+    another distribution), float32 and float64. Two cases have ``rho = 1`` in value (no sampler, and a
+    sampler equal to the policy), so a detached ratio gives the value of the right answer's terms but not
+    its gradient. The same call twice must give the same answer (a sum, not a sample).
+    """
+    __tracebackhide__ = True
+    name = "check_expected_kl_gradient"
+    gen = torch.Generator().manual_seed(77)
+
+    def randn(*shape, scale=1.5, dtype=torch.float64):
+        return scale * torch.randn(*shape, generator=gen, dtype=dtype)
+
+    def est(s):                                   # a string built at run time: `is` is not `==`
+        return "".join(list(s))
+
+    p5, p7, p17 = randn(5), randn(4, 7), randn(3, 17)
+    p9 = randn(2, 3, 9)
+    same = randn(6, 2)
+    cases = [
+        ("k1 on-policy, V=5, one state (no sampler_logits passed)", p5, randn(5), est("k1"), "omit"),
+        ("k2 on-policy, V=6, shape (3, 6), sampler_logits=None", randn(3, 6), randn(3, 6), est("k2"), None),
+        ("k3 on-policy, V=9, shape (2, 3, 9), a reference flatter than the policy", p9, p9 / 2.5 + randn(2, 3, 9, scale=0.3),
+         est("k3"), "omit"),
+        ("rho_k3 on-policy (rho = 1 in value), V=7, shape (4, 7)", p7, randn(4, 7), est("rho_k3"), None),
+        ("rho_k3 with sampler_logits equal to the policy's (rho = 1 in value), V=7", p7, randn(4, 7), est("rho_k3"),
+         p7.clone()),
+        ("rho_k3 from another sampler, V=17, shape (3, 17)", p17, randn(3, 17), est("rho_k3"), p17 + randn(3, 17, scale=1.0)),
+        ("k1 from another sampler (E_mu[grad log pi] is not 0), V=5, shape (2, 5)", randn(2, 5), randn(2, 5), est("k1"),
+         randn(2, 5)),
+        ("k2 from another sampler, V=4, shape (3, 4)", randn(3, 4), randn(3, 4), est("k2"), randn(3, 4)),
+        ("k3 from another sampler, V=2, shape (6, 2)", same, randn(6, 2), est("k3"), same + randn(6, 2, scale=0.7)),
+        ("k3 with sampler_logits equal to the policy's, V=2, shape (6, 2)", same, randn(6, 2), est("k3"), same.clone()),
+        ("rho_k3, the reference equal to the policy (KL = 0), V=8", randn(2, 8), None, est("rho_k3"), None),
+        ("k2 on-policy, a confident policy (logits of scale 6), V=12", randn(2, 12, scale=6.0), randn(2, 12), est("k2"),
+         "omit"),
+        ("rho_k3 on-policy in float32 (rho = 1 in value), V=10", randn(2, 10, dtype=torch.float32),
+         randn(2, 10, dtype=torch.float32), est("rho_k3"), None),
+        ("k3 from another sampler in float32, V=10", randn(2, 10, dtype=torch.float32), randn(2, 10, dtype=torch.float32),
+         est("k3"), randn(2, 10, dtype=torch.float32)),
+    ]
+    generic = ("sum_v mu(v) grad_logits k(v): every token of the vocabulary weighted by its sampling probability mu(v) "
+               "(pi itself, held constant, when sampler_logits is None), summed exactly (a sampled average is noisy), "
+               "with k differentiated with respect to the logits")
+    for case, logits, ref_logits, estimator, sampler in cases:
+        ref_logits = logits.clone() if ref_logits is None else ref_logits
+        args = (logits, ref_logits, estimator) if isinstance(sampler, str) else (logits, ref_logits, estimator, sampler)
+        got = call_unmutated(name, case, fn, *args)
+        if got is None:
+            fail(name, case, "a tensor of the logits' shape", None, "the function returned None: did you forget `return`?")
+        kept_float64(name, case, got, logits, ref_logits)
+        right, mistakes = _estimator_gradient_mistakes(logits, ref_logits, estimator,
+                                                       None if isinstance(sampler, str) else sampler)
+        right = right.to(logits.dtype)
+        float32 = logits.dtype == torch.float32
+        tol = dict(atol=1e-5, rtol=1e-4) if float32 else dict(atol=1e-9, rtol=1e-7)
+        got_np = to_numpy(_grad_free(got))
+        if got_np.shape == tuple(right.shape) and not np.allclose(got_np, to_numpy(right), **tol):
+            again = call_unmutated(name, case, fn, *args)       # a second call: does the answer sample?
+            if again is not None and not np.array_equal(to_numpy(_grad_free(again)), got_np, equal_nan=True):
+                fail(name, case, "the same answer from two calls on the same inputs", "two different answers",
+                     "the answer changed from one call to the next: it samples. Sum over all V tokens, each weighted "
+                     "by its probability: the expectation is exact, not estimated")
+        for value, hint in mistakes:
+            fail_if_mistake(name, case, right, _grad_free(got), value, hint)
+        assert_close(name, case, right, _grad_free(got), hint=generic, **tol)
+    passed(name, len(cases))

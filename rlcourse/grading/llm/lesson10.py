@@ -10,10 +10,12 @@
 * :func:`check_length_bias_experiment` - an experiment: the policies the learner's training loop on the
   exact oracle hands back (their logits), measured exactly, must reproduce Dr. GRPO's finding (wrong
   answers grow longer under grpo's aggregation);
-* :func:`check_grpo_loss` - the clipped per-token loss with clip-higher and beta * k3, aggregated by
-  ``loss_type``: value and gradient (mistakes caught: the sign, max for min, the ratio against the
-  reference, no clip, swapped or symmetric clip sides, k3 reversed, k1 for k3, TRL's ratio-weighted
-  k3, another loss_type's average, junk padding let in, a detached ratio);
+* :func:`check_grpo_loss` - the clipped per-token loss with clip-higher and TRL's default KL term,
+  beta * rho * k3 (``use_bias_correction_kl``), aggregated by ``loss_type``: value and gradient (mistakes
+  caught: the sign, max for min, the ratio against the reference, no clip, swapped or symmetric clip
+  sides, k3 reversed, k1 for k3, DeepSeekMath's plain k3, the clipped ratio on k3, the ratio detached in
+  the KL term (caught by the gradient; on an on-policy batch, where every ratio is 1, plain k3 too),
+  another loss_type's average, junk padding let in, a detached ratio);
 * :func:`check_grpo_step` - a whole GRPO update, checked by the gradient it hands the optimiser
   (against the reference step on the same samples) and by a short training run that must learn;
 * :func:`check_variant_losses` - CISPO's and SAPO's per-token losses: value and gradient (mistakes
@@ -315,12 +317,23 @@ def _loss_cases(seed):
     return out
 
 
+def _on_policy_batch(cases):
+    """The last of ``cases`` made on-policy: ``old = logprobs``, so every ratio is 1 in value (the first
+    step on fresh samples), with another reference and the advantages' signs flipped."""
+    case, logp, _, ref, adv, mask = cases[-1]
+    return [(case.replace("batch #1 (", "batch #2, on-policy: old_logprobs = logprobs, every ratio 1 in value ("),
+             logp, logp.clone(), ref - 0.3, -adv, mask)]
+
+
 @references(*POLICY_GRADIENT_LOSSES, "rlcourse.losses.policy_gradient:masked_mean", "rlcourse.kl:kl_k3",
             "rlcourse.trainers.policy_gradient:loss_and_stats")
 def check_grpo_loss(fn) -> None:
     """``fn(logprobs, old_logprobs, ref_logprobs, advantages, mask, loss_type, epsilon, epsilon_high, beta,
-    max_completion_length) -> scalar``: GRPO's clipped per-token loss plus ``beta * k3``, aggregated by
-    ``loss_type``; its value and its gradient with respect to ``logprobs`` are compared."""
+    max_completion_length) -> scalar``: GRPO's clipped per-token loss plus TRL's default KL term
+    ``beta * rho * k3`` (``use_bias_correction_kl=True``: k3 times the unclipped ratio, with its
+    gradient), aggregated by ``loss_type``; its value and its gradient with respect to ``logprobs`` are
+    compared. One batch is on-policy (every ratio 1 in value), where plain k3 and a detached ratio give
+    the right value and the wrong gradient."""
     __tracebackhide__ = True
     from rlcourse.losses.grpo import aggregate_loss, per_token_loss
 
@@ -328,7 +341,8 @@ def check_grpo_loss(fn) -> None:
     settings = [("grpo", 0.2, None, 0.0), ("dapo", 0.2, 0.28, 0.0), ("dr_grpo", 0.2, None, 0.04),
                 ("grpo", 0.1, 0.3, 0.1), ("dapo", 0.2, None, 0.04)]
     n = 0
-    for case, logp, old, ref, adv, mask in _loss_cases(103):
+    cases = _loss_cases(103)
+    for case, logp, old, ref, adv, mask in cases + _on_policy_batch(cases):
         real = mask.bool()
         L = logp.shape[1] + 1
         for loss_type, eps, eps_high, beta in settings:
@@ -338,7 +352,7 @@ def check_grpo_loss(fn) -> None:
             got = _unmutated(name, label, fn, mine, old, ref, adv, mask, "".join(loss_type), eps, eps_high, beta, L)
             theirs = logp.clone().requires_grad_()
             expected = aggregate_loss(per_token_loss(theirs, old, adv, mask, loss_type, eps, eps_high, beta=beta,
-                                                     ref_logprobs=ref, use_bias_correction_kl=False),
+                                                     ref_logprobs=ref, use_bias_correction_kl=True),
                                       mask, loss_type, L)
 
             # the usual mistakes, each computed on the real tokens
@@ -355,27 +369,33 @@ def check_grpo_loss(fn) -> None:
             def clipped(w, lo, hi):
                 return torch.minimum(w * a, w.clamp(1 - lo, 1 + hi) * a)
 
+            kl_term = rho * k3                                   # TRL's default: k3 times the unclipped ratio
             mistakes = [
-                (agg(clipped(rho, eps, high) - beta * k3), "the optimiser minimises: the loss is -min(...) + beta * k3"),
-                (agg(-torch.maximum(rho * a, rho.clamp(1 - eps, 1 + high) * a) + beta * k3),
+                (agg(clipped(rho, eps, high) - beta * kl_term),
+                 "the optimiser minimises: the loss is -min(...) + beta * rho * k3"),
+                (agg(-torch.maximum(rho * a, rho.clamp(1 - eps, 1 + high) * a) + beta * kl_term),
                  "PPO's objective takes the min of the clipped and unclipped terms, not the max"),
-                (agg(-clipped(rho_ref, eps, high) + beta * k3),
+                (agg(-clipped(rho_ref, eps, high) + beta * kl_term),
                  "the ratio is against pi_old (old_logprobs, the sampler's), not against the reference"),
-                (agg(-rho * a + beta * k3), "the ratio must be clipped to [1 - epsilon, 1 + epsilon_high]"),
-                (agg(-clipped(rho, eps, eps) + beta * k3),
+                (agg(-rho * a + beta * kl_term), "the ratio must be clipped to [1 - epsilon, 1 + epsilon_high]"),
+                (agg(-clipped(rho, eps, eps) + beta * kl_term),
                  "the clip range is [1 - epsilon, 1 + epsilon_high]: epsilon_high, when given, sets the upper side "
                  "(clip-higher)"),
-                (agg(-clipped(rho, high, eps) + beta * k3),
+                (agg(-clipped(rho, high, eps) + beta * kl_term),
                  "the clip range is [1 - epsilon, 1 + epsilon_high]: epsilon the lower side, epsilon_high the upper"),
-                (agg(-clipped(rho, eps, high) + beta * ((lp - r).exp() - (lp - r) - 1)),
+                (agg(-clipped(rho, eps, high) + beta * rho * ((lp - r).exp() - (lp - r) - 1)),
                  "k3 of KL(pi || pi_ref) is pi_ref/pi - log(pi_ref/pi) - 1: the ratio ref over policy"),
-                (agg(-clipped(rho, eps, high) + beta * (lp - r)), "the KL term is the k3 estimate, not k1 = log pi - log pi_ref"),
-                (agg(-clipped(rho, eps, high) + beta * rho * k3),
-                 "the plain k3 of DeepSeekMath here, not TRL's ratio-weighted one"),
+                (agg(-clipped(rho, eps, high) + beta * rho * (lp - r)),
+                 "the KL term is the k3 estimate, not k1 = log pi - log pi_ref"),
+                (agg(-clipped(rho, eps, high) + beta * k3),
+                 "that is DeepSeekMath's plain k3; the exercise asks for TRL's default (use_bias_correction_kl=True): "
+                 "k3 times the ratio rho = pi / pi_old, whose gradient makes the KL term follow grad KL(pi || pi_ref)"),
+                (agg(-clipped(rho, eps, high) + beta * rho.clamp(1 - eps, 1 + high) * k3),
+                 "TRL multiplies k3 by the unclipped ratio rho: the clip belongs to the policy term only"),
             ]
             for other in {"grpo", "dapo", "dr_grpo"} - {loss_type}:
                 mistakes.append((aggregate_loss(per_token_loss(logp, old, adv, mask, loss_type, eps, eps_high, beta=beta,
-                                                               ref_logprobs=ref, use_bias_correction_kl=False),
+                                                               ref_logprobs=ref, use_bias_correction_kl=True),
                                                 mask, other, L),
                                  f"this is the {other!r} average: average as loss_type says"))
             for value, hint in mistakes:
@@ -383,7 +403,7 @@ def check_grpo_loss(fn) -> None:
             if got is not None and not torch.isfinite(torch.as_tensor(to_numpy(got))).all():
                 fail(name, label, expected, got, "padding may hold nan or inf: leave the padded tokens out")
             assert_close(name, label, expected, got, atol=1e-5, rtol=1e-5,
-                         hint="-min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A) + beta k3 per token, averaged "
+                         hint="-min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A) + beta rho k3 per token, averaged "
                               "as loss_type says")
             expected.backward()
             if not isinstance(got, torch.Tensor) or got.grad_fn is None:
@@ -391,6 +411,19 @@ def check_grpo_loss(fn) -> None:
                      "compute the loss with torch operations on logprobs, keeping its graph")
             got.backward()
             grad = mine.grad if mine.grad is not None else torch.zeros_like(mine)
+            if beta:                        # the KL term's ratio held constant (on the on-policy batch: plain k3 too)
+                frozen = logp.clone().requires_grad_()
+                lpf = torch.where(real, frozen, torch.zeros_like(frozen))
+                d = torch.where(real, ref, torch.zeros_like(ref)) - lpf
+                held = torch.exp(lpf - torch.where(real, old, torch.zeros_like(old))).detach() * (d.exp() - d - 1)
+                aggregate_loss(per_token_loss(frozen, old, adv, mask, loss_type, eps, eps_high)
+                               + beta * torch.where(real, held, torch.zeros_like(held)), mask, loss_type, L).backward()
+                fail_if_mistake(name, label + " (gradient with respect to logprobs)", theirs.grad, grad, frozen.grad,
+                                "the value is right but not its gradient: the KL term's ratio carries a gradient, "
+                                "even where its value is 1. Keep the ratio's gradient in the KL term (rho = "
+                                "exp(logprobs - old_logprobs), neither detached nor left out where it is 1): it adds "
+                                "k3 * grad log pi, the score-function term that makes the KL term follow "
+                                "grad KL(pi || pi_ref) (lesson 07b, exercise 4)")
             assert_close(name, label + " (gradient with respect to logprobs)", theirs.grad, grad, atol=1e-5, rtol=1e-4,
                          hint="the value is right but not its gradient: only logprobs carries the graph; "
                               "old_logprobs, ref_logprobs and the advantages are constants")
