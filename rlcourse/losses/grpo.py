@@ -8,7 +8,8 @@ action). ``logprobs``, ``old_logprobs``, ``ref_logprobs`` and ``mask`` are ``(B,
 Three steps make every algorithm of the family:
 
 1. an **advantage** per completion from the rewards (:func:`group_advantages`,
-   :func:`leave_one_out_advantages`, :func:`batch_mean_advantages`, :func:`moving_average_baseline`);
+   :func:`leave_one_out_advantages`, :func:`batch_mean_advantages`, :func:`moving_average_baseline`,
+   :func:`remax_advantages`, :func:`reinforce_plus_plus_advantages`);
 2. a **per-token loss** from the importance ratio and the advantage (:func:`per_token_loss`),
    with the ratio taken per token or per sequence (:func:`importance_weights`, GSPO);
 3. an **aggregation** of the per-token losses into one scalar (:func:`aggregate_loss`): this is
@@ -33,6 +34,8 @@ __all__ = [
     "leave_one_out_advantages",
     "batch_mean_advantages",
     "moving_average_baseline",
+    "remax_advantages",
+    "reinforce_plus_plus_advantages",
     "importance_weights",
     "per_token_loss",
     "aggregate_loss",
@@ -152,6 +155,92 @@ def batch_mean_advantages(rewards) -> torch.Tensor:
     """
     rewards = _rewards_1d(rewards)
     return rewards - rewards.mean()
+
+
+def remax_advantages(rewards, greedy_rewards, num_generations: int = 1) -> torch.Tensor:
+    """ReMax's advantage (Li et al., 2023, arXiv 2310.10505): the greedy completion's reward as baseline.
+
+    ``A_i = r_i - r(x, y_greedy(x))``
+
+    with ``y_greedy(x)`` the completion decoded greedily (argmax token by token) for completion
+    ``i``'s prompt ``x``. The greedy completion depends on the policy but not on the sampled
+    ``y_i``, so the baseline leaves the estimator unbiased, for any ``K``, ``K = 1`` included: it
+    costs one extra greedy generation per prompt instead of siblings.
+
+    Args: ``rewards`` ``(..., B)`` with the ``K = num_generations`` completions of a prompt next to
+    each other; ``greedy_rewards`` ``(..., B // K)``, one per prompt (leading dimensions: independent
+    batches). Returns ``(..., B)``.
+    """
+    rewards, greedy = torch.as_tensor(rewards), torch.as_tensor(greedy_rewards)
+    K = check_integer("num_generations", num_generations)
+    if rewards.ndim == 0 or rewards.shape[-1] % K or greedy.shape != (*rewards.shape[:-1], rewards.shape[-1] // K):
+        raise ValueError(f"rewards (..., B) with B a multiple of num_generations={K} and greedy_rewards "
+                         f"(..., B // {K}) (one per prompt) are needed, got {tuple(rewards.shape)} and "
+                         f"{tuple(greedy.shape)}")
+    if not (bool(torch.isfinite(rewards).all()) and bool(torch.isfinite(greedy).all())):
+        raise ValueError("rewards and greedy_rewards must be finite, got NaN or inf")
+    dtype = torch.promote_types(torch.promote_types(rewards.dtype, greedy.dtype), torch.get_default_dtype())
+    return (rewards.to(dtype) - greedy.to(dtype).repeat_interleave(K, dim=-1)).detach()
+
+
+def reinforce_plus_plus_advantages(rewards, num_generations: int = 1, *, lengths=None,
+                                   std_floor: float = 1e-4) -> torch.Tensor:
+    """REINFORCE++'s globally normalised advantage (Hu et al., 2025, arXiv 2501.03262).
+
+    ``A'_i = r_i``                   (``num_generations = 1``: REINFORCE++)
+    ``A'_i = r_i - mean_g(r)``       (``num_generations = K > 1``: REINFORCE++ with baseline)
+    ``A_i  = (A'_i - mean(A')) / (std(A') + std_floor)``
+
+    ``mean_g`` is over the ``K`` completions of ``i``'s prompt; ``mean`` and ``std`` (Bessel's
+    correction) are over the **whole batch**, every prompt at once, never per group: one shared
+    scale, where GRPO divides each group by its own std.
+
+    The paper writes the advantage per token and takes mean and std over every token of the
+    batch. With one scalar per completion every token of completion ``i`` carries ``A'_i``, so the
+    token statistics weigh each completion by its length ``L_i``: ``mean = sum L_i A'_i / sum L_i``,
+    ``var = sum L_i (A'_i - mean)^2 / (sum L_i - 1)``. Pass ``lengths`` for them;
+    ``lengths=None`` counts each completion once.
+
+    Args: ``rewards`` ``(..., B)``, one scalar per completion (an outcome reward, or a KL penalty
+    already summed over the completion), the ``K`` completions of a prompt next to each other;
+    leading dimensions are independent batches, normalised separately. ``lengths``: ``None`` or
+    token counts of ``rewards``' shape. Returns ``rewards``' shape. A batch whose ``A'`` are all
+    equal gets exactly 0 (no scale to divide by).
+
+    In TRL 1.16: ``RLOOTrainer`` with ``normalize_advantages=True`` normalises the leave-one-out
+    advantages ``K/(K-1) A'_i`` over the batch (sequence statistics, floor ``1e-4``): with the
+    ``K/(K-1)`` cancelled, REINFORCE++ with baseline up to the floor. GRPO's ``scale_rewards="batch"``
+    is not it: it divides ``r_i - mean_g(r)`` by the batch std of the *raw* rewards.
+    """
+    rewards = torch.as_tensor(rewards)
+    K = check_integer("num_generations", num_generations)
+    if rewards.ndim == 0 or rewards.shape[-1] < 2 or rewards.shape[-1] % K:
+        raise ValueError(f"rewards must be (..., B) with B >= 2 completions, a multiple of num_generations={K}, "
+                         f"got shape {tuple(rewards.shape)}")
+    if std_floor < 0:
+        raise ValueError(f"std_floor must be >= 0, got {std_floor!r}")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("rewards must be finite, got NaN or inf")
+    rewards = rewards.detach()
+    if lengths is None:
+        weights = torch.ones_like(rewards)
+    else:
+        weights = torch.as_tensor(lengths).to(rewards.dtype)
+        if weights.shape != rewards.shape or bool((weights < 1).any()):
+            raise ValueError(f"lengths must hold token counts >= 1 of rewards' shape {tuple(rewards.shape)}, "
+                             f"got {tuple(weights.shape)}")
+    grouped = rewards.unflatten(-1, (-1, K))
+    centred = grouped - grouped.mean(-1, keepdim=True) if K > 1 else grouped
+    centred = torch.where((grouped == grouped[..., :1]).all(-1, keepdim=True) & (K > 1),
+                          torch.zeros_like(centred), centred).flatten(-2)     # an all-equal group: exactly 0
+    total = weights.sum(-1, keepdim=True)
+    mean = (weights * centred).sum(-1, keepdim=True) / total
+    std = ((weights * (centred - mean) ** 2).sum(-1, keepdim=True) / (total - 1)).sqrt()
+    normalised = (centred - mean) / (std + std_floor)
+    all_equal = (centred == centred[..., :1]).all(-1, keepdim=True)
+    return torch.where(all_equal, torch.zeros_like(normalised), normalised)
 
 
 def moving_average_baseline(baseline: float | None, rewards, decay: float = 0.9) -> float:
@@ -384,3 +473,4 @@ def clip_fractions(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
     total = weight.sum().clamp(min=1.0)
     return {"clip_ratio/low_mean": float((low_hit * weight).sum() / total),
             "clip_ratio/high_mean": float((high_hit * weight).sum() / total)}
+

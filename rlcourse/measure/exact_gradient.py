@@ -18,8 +18,10 @@ completions is a finite sum. That gives, exactly and by autograd:
 
 The score matrix ``grad_theta log pi(y|x)`` of every completion is computed once, so a Monte-Carlo
 gradient estimate from a group of K samples is a weighted sum of its rows: thousands of groups
-take milliseconds, and bias and variance of REINFORCE, RLOO and GRPO are measured against the
-exact gradient (lessons 09-10).
+take milliseconds, and bias and variance of REINFORCE, RLOO, ReMax, REINFORCE++ and GRPO are
+measured against the exact gradient (lessons 09-10). Two closed forms check the measurements:
+RLOO's variance (:func:`rloo_variance`) and the objective an undetached KL-shaped advantage
+climbs (:func:`undetached_kl_objective`).
 """
 from __future__ import annotations
 
@@ -27,12 +29,14 @@ import itertools
 
 import torch
 
-from rlcourse.losses.grpo import group_advantages, leave_one_out_advantages
+from rlcourse.losses.grpo import (group_advantages, leave_one_out_advantages, reinforce_plus_plus_advantages,
+                                  remax_advantages)
 
 __all__ = ["EnumerablePolicy", "ESTIMATORS", "gradient_estimates", "estimator_stats",
-           "expected_gradient"]
+           "expected_gradient", "rloo_variance", "undetached_kl_objective"]
 
-ESTIMATORS = ("reinforce", "batch_mean", "rloo", "grpo", "grpo_no_std")
+ESTIMATORS = ("reinforce", "batch_mean", "rloo", "grpo", "grpo_no_std", "remax", "reinforce_pp",
+              "reinforce_pp_baseline")
 
 
 class EnumerablePolicy(torch.nn.Module):
@@ -74,6 +78,7 @@ class EnumerablePolicy(torch.nn.Module):
             mask[c, :len(w)] = 1
             for t in range(len(w)):
                 states[c, t] = self.state_index[w[:t]]
+        self.index = {w: c for c, w in enumerate(words)}
         self.register_buffer("completions", ids)
         self.register_buffer("mask", mask)
         self.register_buffer("states", states)
@@ -146,6 +151,21 @@ class EnumerablePolicy(torch.nn.Module):
             self._score_cache = (now.clone(), jac.reshape(self.n_prompts, self.n_completions, -1))
         return self._score_cache[1]
 
+    def greedy_completions(self) -> torch.Tensor:
+        """Index of the greedy completion of each prompt, ``(P,)``: the argmax token at every step
+        (ties to the lower id, as ``torch.argmax``), until ``<eos>`` or ``max_len``. ReMax's baseline."""
+        best = self.logits.detach().argmax(-1)                               # (P, S)
+        out = []
+        for p in range(self.n_prompts):
+            prefix = ()
+            while len(prefix) < self.max_len:
+                token = int(best[p, self.state_index[prefix]])
+                prefix = prefix + (token,)
+                if token == 0:
+                    break
+            out.append(self.index[prefix])
+        return torch.tensor(out)
+
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Indices of ``n`` completions drawn from ``pi(.|x)`` for each prompt, ``(P, n)``.
 
@@ -156,9 +176,21 @@ class EnumerablePolicy(torch.nn.Module):
             return torch.multinomial(self.probs(), n, replacement=True, generator=generator)
 
 
-def _advantages(estimator: str, rewards: torch.Tensor, K: int) -> torch.Tensor:
-    """Advantages of ``rewards`` ``(..., K)`` (one group per row) with the named estimator."""
+def _advantages(estimator: str, rewards: torch.Tensor, K: int, greedy: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Advantages of ``rewards`` ``(M, P, K)`` (M batches of P groups) with the named estimator.
+
+    ``greedy`` ``(M, P)``: the reward of each prompt's greedy completion (ReMax); ``lengths``
+    ``(M, P, K)``: token counts (REINFORCE++ normalises over the tokens of each batch of ``P K``).
+    """
     flat = rewards.reshape(-1)
+    batches = rewards.reshape(rewards.shape[0], -1)
+    if estimator == "remax":
+        return remax_advantages(batches, greedy, K).reshape(rewards.shape)
+    if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        groups = 1 if estimator == "reinforce_pp" else K
+        return reinforce_plus_plus_advantages(batches, groups, lengths=lengths.reshape(batches.shape)
+                                              ).reshape(rewards.shape)
     if estimator == "reinforce":
         adv = flat
     elif estimator == "batch_mean":      # r_i - mean of the K, r_i included (= batch_mean_advantages per group)
@@ -181,7 +213,10 @@ def gradient_estimates(policy: EnumerablePolicy, rewards, K: int, estimator: str
     Each estimate draws K completions per prompt and forms ``mean_x (1/K) sum_i A_i grad log pi(y_i|x)``
     with the estimator's advantage ``A_i`` (``reinforce``: ``R_i``; ``batch_mean``: ``R_i - mean(R)``;
     ``rloo``: leave-one-out; ``grpo``: group-normalised; ``grpo_no_std``: RLOO written as
-    ``K/(K-1) (R_i - mean)``, the same numbers). ``scores`` may pass a precomputed :meth:`score_matrix`.
+    ``K/(K-1) (R_i - mean)``, the same numbers; ``remax``: ``R_i - R(greedy completion)``;
+    ``reinforce_pp``: REINFORCE++, the ``P K`` rewards of an estimate normalised over their tokens;
+    ``reinforce_pp_baseline``: REINFORCE++ with baseline, group-centred first).
+    ``scores`` may pass a precomputed :meth:`score_matrix`.
     """
     if not isinstance(K, int) or K < 1 or (estimator != "reinforce" and K < 2):
         raise ValueError(f"K must be a positive integer (>= 2 for a baseline from the group), got {K!r}")
@@ -190,7 +225,8 @@ def gradient_estimates(policy: EnumerablePolicy, rewards, K: int, estimator: str
     P = policy.n_prompts
     draws = torch.stack([policy.sample(K * n_groups, generator)[p].view(n_groups, K) for p in range(P)], 1)
     r = torch.stack([rewards[p][draws[:, p]] for p in range(P)], 1)           # (M, P, K)
-    adv = _advantages(estimator, r, K)
+    greedy = rewards[torch.arange(P), policy.greedy_completions()].expand(n_groups, P)
+    adv = _advantages(estimator, r, K, greedy, policy.lengths[draws])
     g = torch.stack([scores[p][draws[:, p]] for p in range(P)], 1)           # (M, P, K, D)
     return (adv.unsqueeze(-1) * g).mean(2).mean(1)
 
@@ -223,3 +259,55 @@ def expected_gradient(policy: EnumerablePolicy, per_completion) -> torch.Tensor:
         raise ValueError(f"per_completion must return (n_prompts, n_completions) values, got {tuple(values.shape)}")
     weights = policy.probs().detach()
     return policy.flat_grad((weights * values).sum(1).mean())
+
+
+def rloo_variance(policy: EnumerablePolicy, rewards, K: int) -> float:
+    """The exact variance (trace of the covariance) of RLOO's estimate with ``K`` completions per prompt.
+
+    For one prompt, with ``s = grad log pi(y)``, ``J = E[r]``, ``g = E[r s]`` (its gradient),
+    ``sigma_r^2 = Var r`` and ``sigma_c^2 = E[(r - J)^2 ||s||^2] - ||g||^2`` (the variance of one
+    REINFORCE sample with the ideal constant baseline ``J``), the estimate
+    ``(1/K) sum_i (r_i - mean_{j != i} r_j) s_i = 1/(K(K-1)) sum_{i != j} (r_i - r_j) s_i`` has
+
+        Var = sigma_c^2 / K + (sigma_r^2 E||s||^2 + ||g||^2) / (K (K-1))
+            = sigma_c^2 / (K-1) + (2 ||g||^2 - Cov((r - J)^2, ||s||^2)) / (K (K-1)):
+
+    each baseline averages only ``K - 1`` rewards, and its noise ``sigma_r^2 / (K-1)`` rides on
+    every sample, so the leading term falls like ``1/(K-1)``, not ``1/K``. Prompts are independent
+    and the estimate is their mean: ``Var = (1/P^2) sum_x Var_x``.
+    """
+    if isinstance(K, bool) or not isinstance(K, int) or K < 2:
+        raise ValueError(f"K must be an integer >= 2 (a leave-one-out baseline needs a sibling), got {K!r}")
+    rewards = policy._rewards(rewards).detach()
+    probs, scores = policy.probs().detach(), policy.score_matrix()          # (P, C), (P, C, D)
+    total = 0.0
+    for p in range(policy.n_prompts):
+        pi, r, s = probs[p], rewards[p], scores[p]
+        J = (pi * r).sum()
+        g = (pi[:, None] * r[:, None] * s).sum(0)
+        sq = (s ** 2).sum(1)
+        var_r = (pi * (r - J) ** 2).sum()
+        sigma_c = (pi * (r - J) ** 2 * sq).sum() - g @ g
+        total += float(sigma_c / K + (var_r * (pi * sq).sum() + g @ g) / (K * (K - 1)))
+    return total / policy.n_prompts ** 2
+
+
+def undetached_kl_objective(policy: EnumerablePolicy, rewards, ref_logprobs: torch.Tensor,
+                            beta: float) -> torch.Tensor:
+    """``J - beta KL(pi || pi_ref) + beta H(pi)``: what a KL-shaped advantage left undetached climbs.
+
+    With ``A_i = R_i - b - beta (log pi(y_i) - log pi_ref(y_i))`` (``b`` a baseline that does not
+    depend on ``theta``) in ``L = -(1/B) sum_i A_i log pi(y_i)``, autograd also differentiates
+    ``A_i``; the gradient gains
+
+        -(1/B) sum_i log pi(y_i) grad A_i = (beta/B) sum_i log pi(y_i) grad log pi(y_i)
+                                          = grad [ (beta / 2B) sum_i (log pi(y_i))^2 ],
+
+    whose mean over samples is ``beta E[log pi grad log pi] = -beta grad H(pi)``. So the undetached
+    loss descends, in expectation, minus this objective (an entropy bonus ``beta H`` on top of the
+    KL-regularised one), whose maximiser is ``pi ~ pi_ref^(1/2) exp(R / (2 beta))``, not
+    ``pi* ~ pi_ref exp(R / beta)``. Differentiable; mean over prompts.
+    """
+    logp = policy.logprobs()
+    entropy = -(logp.exp() * logp).sum(1).mean()
+    return policy.regularised_objective(rewards, ref_logprobs, beta) + beta * entropy
