@@ -474,3 +474,95 @@ def clip_fractions(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
     return {"clip_ratio/low_mean": float((low_hit * weight).sum() / total),
             "clip_ratio/high_mean": float((high_hit * weight).sum() / total)}
 
+
+# --- LUSPO and VESPO: TRL 1.16's two sequence-level loss types (loss_type="luspo", "vespo") ---------
+# Not in GRPO_LOSS_TYPES: the trainers do not take them; lesson 10 computes them on one batch.
+
+def luspo_aggregate(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """LUSPO's aggregation (Length-Unbiased Sequence Policy Optimization, arXiv 2602.05261): TRL's
+    ``loss_type="luspo"``.
+
+    ``L = 1/B sum_i sum_t m_it l_it``
+
+    With GSPO's one loss per completion (``per_token`` of shape ``(B, 1)``, from
+    :func:`per_token_loss` with ``importance_sampling_level="sequence"`` and ``loss_type="grpo"``),
+    this is ``1/B sum_i |y_i| l_i``: each completion's loss scaled by its length, where GSPO's
+    sequence mean (``grpo``) weighs every completion once. It is :func:`aggregate_loss`'s
+    ``dr_grpo`` times ``max_completion_length`` (no length normalisation, and no ``L_max``).
+
+    Args: ``per_token`` ``(B, T)`` or ``(B, 1)``; ``mask`` ``(B, T)``. Returns a scalar; padding
+    is selected away before the sum.
+    """
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or not isinstance(per_token, torch.Tensor) \
+            or per_token.ndim != 2 or per_token.shape[0] != mask.shape[0] or per_token.shape[1] not in (1, mask.shape[1]):
+        raise ValueError(f"per_token must be (B, T) or (B, 1) with mask (B, T); got "
+                         f"{tuple(getattr(per_token, 'shape', ()))} and {tuple(getattr(mask, 'shape', ()))}")
+    m = as_mask(mask, torch.empty(mask.shape, device=per_token.device))
+    masked = torch.where(m, per_token.expand(m.shape), torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+    return masked.sum(dim=1).mean()
+
+
+VESPO_LOG_W_MIN = -18.420680743952367    # log(1e-8): TRL's lower clamp of VESPO's sequence log-weight
+
+
+@torch.no_grad()
+def vespo_weights(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                  mask: torch.Tensor, *, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0,
+                  lambda_neg: float = 2.0, sampler_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """VESPO's gate on the sequence ratio (Variational Sequence-Level Soft Policy Optimization,
+    arXiv 2602.10693), as TRL 1.16's ``GRPOTrainer.get_gamma_weights`` computes it.
+
+    ``log w_i = clamp(sum_t m_it clamp(log pi - log pi_old, -20, 20), log 1e-8, 20)``
+    ``phi(w) = w^k exp(lambda (1 - w))``    (a Gamma density's shape, scaled so that ``phi(1) = 1``)
+
+    with ``(k, lambda) = (k_pos, lambda_pos)`` where ``A_i >= 0`` and ``(k_neg, lambda_neg)`` where
+    ``A_i < 0`` (TRL's ``vespo_k_pos`` ... defaults). ``w_i`` is the *whole* sequence ratio
+    ``pi(y_i) / pi_old(y_i)``, not GSPO's length-normalised one. ``phi`` is largest at ``w = k /
+    lambda`` and falls to 0 on both sides: a soft, asymmetric window instead of a clip.
+
+    ``sampler_weights`` ``(B, T)``: TRL's token-level sampler correction (``importance_sampling_ratio``
+    in a ``token_*`` mode, :func:`~rlcourse.losses.off_policy.sampler_importance_weights`); its logs,
+    clamped to ``[log 1e-8, 20]``, are added to ``log w_i`` over the real tokens, so ``w`` becomes
+    ``pi / mu``. Detached (computed without gradient). Args: ``logprobs``, ``old_logprobs``,
+    ``mask`` ``(B, T)``; ``advantages`` ``(B,)``. Returns ``(B, 1)``.
+    """
+    for name, value in (("k_pos", k_pos), ("lambda_pos", lambda_pos), ("k_neg", k_neg), ("lambda_neg", lambda_neg)):
+        if not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
+    m, logprobs, old_logprobs, _ = _token_inputs(logprobs, old_logprobs, mask)
+    advantages = torch.as_tensor(advantages, dtype=logprobs.dtype, device=logprobs.device)
+    if advantages.shape != (logprobs.shape[0],):
+        raise ValueError(f"advantages must have shape (B,) = ({logprobs.shape[0]},), got {tuple(advantages.shape)}")
+    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    log_w = log_ratio.sum(dim=1, keepdim=True)
+    if sampler_weights is not None:
+        if not isinstance(sampler_weights, torch.Tensor) or sampler_weights.shape != logprobs.shape:
+            raise ValueError(f"sampler_weights must be token weights of logprobs' shape {tuple(logprobs.shape)}, "
+                             f"got {tuple(getattr(sampler_weights, 'shape', ()))}")
+        log_is = torch.clamp(torch.log(sampler_weights.to(logprobs.dtype)), VESPO_LOG_W_MIN, LOG_RATIO_BOUND)
+        log_w = log_w + torch.where(m, log_is, torch.zeros_like(log_is)).sum(dim=1, keepdim=True)
+    log_w = torch.clamp(log_w, VESPO_LOG_W_MIN, LOG_RATIO_BOUND)
+    positive = advantages[:, None] >= 0
+    k = torch.where(positive, torch.full_like(log_w, k_pos), torch.full_like(log_w, k_neg))
+    lam = torch.where(positive, torch.full_like(log_w, lambda_pos), torch.full_like(log_w, lambda_neg)).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def vespo_per_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                         mask: torch.Tensor, **gate) -> torch.Tensor:
+    """VESPO's per-token loss, TRL's ``loss_type="vespo"``: ``l_it = -phi(w_i) A_i log pi(y_it)``.
+
+    ``phi`` is :func:`vespo_weights` (``gate``: its keyword settings), detached, so the gradient is
+    ``phi(w_i) A_i grad log pi``: a REINFORCE term scaled per completion, never zeroed by a clip
+    (compare CISPO's per-token cap). TRL aggregates it as a token mean (``dapo``, :func:`aggregate_loss`).
+    Returns ``(B, T)``, 0 on padding.
+    """
+    phi = vespo_weights(logprobs, old_logprobs, advantages, mask, **gate)
+    m, clean, _, _ = _token_inputs(logprobs, old_logprobs, mask)
+    adv = torch.as_tensor(advantages, dtype=clean.dtype, device=clean.device).detach()[:, None]
+    loss = -phi * adv * clean
+    return torch.where(m, loss, torch.zeros_like(loss))
+
+
+__all__ += ["luspo_aggregate", "vespo_weights", "vespo_per_token_loss"]
