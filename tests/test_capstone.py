@@ -119,3 +119,47 @@ def test_paired_difference_is_the_t_interval_of_seedwise_differences():
     assert not intervals_separate(t_interval(a), t_interval(b)) and abs(mean) > half
     with pytest.raises(ValueError, match="shared seeds"):
         paired_difference(results[:1] + results[4:5], "A", "B")
+
+
+def test_every_clipped_method_takes_updates_per_batch_updates_and_the_clip_acts_only_from_the_second():
+    """updates_per_batch reaches num_iterations of every critic-free method and PPO's epochs; at one update the
+    ratio is 1 when the gradient is taken, so no token is ever clipped; at two, some are."""
+    from rlcourse.measure.capstone import CLIPPED, _pg_config, _ppo_config, run_seeds
+    from rlcourse.tasks import DigitSumTask
+
+    assert set(CLIPPED) == {"REINFORCE", "RLOO", "GRPO", "Dr. GRPO", "DAPO", "GSPO", "PPO"}
+    for k in (1, 3):
+        cfg = CapstoneConfig(updates_per_batch=k)
+        assert all(_pg_config(a, cfg, 0).num_iterations == k for a in CLIPPED if a != "PPO")
+        assert _ppo_config(cfg, DigitSumTask(), 0).num_ppo_epochs == k
+    assert CapstoneConfig().updates_per_batch == 2
+    one = run("GRPO", 2, CapstoneConfig(budget=128, eval_points=1, updates_per_batch=1))
+    assert one["clip_fraction"] == 0.0
+    two = run_seeds("GSPO", [2, 0], CapstoneConfig(budget=128, eval_points=1, updates_per_batch=2))
+    assert all(r["clip_fraction"] > 0 for r in two)      # GSPO's sequence clip (3e-4) acts at the second pass
+    assert "clip_fraction" not in run("RFT", 0, CapstoneConfig(budget=64, eval_points=1))
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="updates_per_batch"):
+            run("GRPO", 0, CapstoneConfig(budget=64, updates_per_batch=bad))
+
+
+def test_all_pairs_matches_paired_difference_and_holm_resolves_no_more():
+    from rlcourse.measure.capstone import all_pairs
+    from rlcourse.stats import holm, t_test_p_value
+
+    rng = np.random.default_rng(4)
+    shift = {"A": 0.0, "B": 0.02, "C": 0.3, "D": 0.31}
+    seed_effect = rng.normal(0, 0.2, 6)          # what a seed's runs share: cancels in each pair
+    results = [{"algorithm": a, "seed": s, "curve": [{"validity": 0.5 + mu + seed_effect[s] + rng.normal(0, 0.03)}]}
+               for a, mu in shift.items() for s in range(6)]
+    rows = all_pairs(results, list(shift))
+    assert [(r["a"], r["b"]) for r in rows] == [("A", "B"), ("A", "C"), ("A", "D"), ("B", "C"), ("B", "D"), ("C", "D")]
+    for r in rows:
+        assert (r["mean"], r["half"]) == pytest.approx(paired_difference(results, r["a"], r["b"]))
+        assert r["resolved"] == (abs(r["mean"]) > r["half"]) == (r["p"] < 0.05)
+        assert r["p_holm"] >= r["p"] and (not r["resolved_holm"] or r["resolved"])
+    final = {(r["algorithm"], r["seed"]): r["curve"][-1]["validity"] for r in results}
+    p = [t_test_p_value([final[(r["a"], s)] - final[(r["b"], s)] for s in range(6)]) for r in rows]
+    assert [r["p_holm"] for r in rows] == pytest.approx(holm(p)[0])
+    # the four far pairs resolve with and without the correction; the two near ties do not after it
+    assert {(r["a"], r["b"]) for r in rows if r["resolved_holm"]} == {("A", "C"), ("A", "D"), ("B", "C"), ("B", "D")}

@@ -152,3 +152,97 @@ def test_not_implemented_goes_through():
     for check in (check_t_interval, check_intervals_separate):
         with pytest.raises(NotImplementedError):
             check(todo)
+
+
+# ----------------------------------------------------------------------------- the paired interval
+def _shared(a, b):
+    shared = [s for s in a if s in b]
+    if len(shared) < 2:
+        raise ValueError(f"need at least 2 shared seeds, got {shared}")
+    return shared
+
+
+def paired_interval(a, b):
+    return t_interval([a[s] - b[s] for s in _shared(a, b)])
+
+
+def combines_separate_intervals(a, b):
+    shared = _shared(a, b)
+    (ma, ha), (mb, hb) = t_interval([a[s] for s in shared]), t_interval([b[s] for s in shared])
+    return ma - mb, math.hypot(ha, hb)
+
+
+def adds_half_widths(a, b):
+    shared = _shared(a, b)
+    (ma, ha), (mb, hb) = t_interval([a[s] for s in shared]), t_interval([b[s] for s in shared])
+    return ma - mb, ha + hb
+
+
+def pairs_by_position(a, b):
+    _shared(a, b)
+    return t_interval([x - y for x, y in zip(a.values(), b.values())])
+
+
+def b_minus_a(a, b):
+    return t_interval([b[s] - a[s] for s in _shared(a, b)])
+
+
+def absolute_differences(a, b):
+    return t_interval([abs(a[s] - b[s]) for s in _shared(a, b)])
+
+
+def missing_seeds_as_zero(a, b):
+    _shared(a, b)
+    return t_interval([a.get(s, 0.0) - b.get(s, 0.0) for s in sorted(set(a) | set(b))])
+
+
+def paired_ddof0(a, b):
+    return t_ddof0([a[s] - b[s] for s in _shared(a, b)])
+
+
+def paired_with_z(a, b):
+    return z_instead_of_t([a[s] - b[s] for s in _shared(a, b)])
+
+
+def means_over_all_seeds(a, b):
+    _, half = paired_interval(a, b)
+    return float(np.mean(list(a.values())) - np.mean(list(b.values()))), half
+
+
+def never_raises(a, b):
+    shared = [s for s in a if s in b]
+    return t_interval([a[s] - b[s] for s in shared]) if len(shared) > 1 else (float("nan"), float("nan"))
+
+
+def raises_key_error(a, b):
+    return t_interval([a[s] - b[s] for s in a])
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (combines_separate_intervals, "combines two separate intervals"),
+    (adds_half_widths, "adds the two separate half-widths"),
+    (pairs_by_position, "pair the values by seed"),
+    (b_minus_a, "a minus b"),
+    (absolute_differences, "no abs()"),
+    (missing_seeds_as_zero, "use the seeds both dicts hold"),
+    (paired_ddof0, "ddof=1"),
+    (paired_with_z, "1.96"),
+    (means_over_all_seeds, "the mean must be over the shared seeds"),
+    (never_raises, "raise ValueError"),
+    (raises_key_error, "use the seeds both dicts hold"),
+])
+def test_paired_interval_rejects_each_mistake_with_its_lesson(wrong, hint):
+    from rlcourse.grading import check_paired_interval
+
+    assert_fails(check_paired_interval, wrong, hint=hint)
+
+
+def test_paired_interval_reference_passes_and_its_first_case_needs_pairing(capsys):
+    from rlcourse.grading import check_paired_interval
+    from rlcourse.grading.llm.lesson12 import _paired_cases
+    from rlcourse.stats import intervals_separate as separate, t_interval as ref_t
+
+    assert_passes(check_paired_interval, paired_interval, capsys)
+    _, a, b = _paired_cases()[0]
+    d = [a[s] - b[s] for s in a]
+    assert separate(ref_t(d), (0.0, 0.0)) and not separate(ref_t(list(a.values())), ref_t(list(b.values())))

@@ -8,7 +8,7 @@ valid answers stay. Every algorithm gets the same number of sampled completions 
 * the critic-free family through :class:`~rlcourse.trainers.policy_gradient.PolicyGradientTrainer`:
   REINFORCE (moving-average baseline), RLOO, GRPO, Dr. GRPO, DAPO (clip-higher + token mean +
   dynamic sampling, whose extra generation batches count against the budget) and GSPO
-  (sequence-level ratio, two iterations per batch);
+  (sequence-level ratio);
 * PPO with a learned critic (:class:`~rlcourse.trainers.ppo_rlhf.PPORLHFTrainer`), scored by the same
   verifier instead of a learned reward model: the RLHF machinery with a perfect reward;
 * DPO (+ an NLL term, RPO) on pairs built from the SFT model's own samples (valid = chosen, invalid
@@ -20,12 +20,19 @@ valid answers stay. Every algorithm gets the same number of sampled completions 
 * RFT, rejection-sampling fine-tuning (best-of-n as a training method, a.k.a. expert iteration):
   sample, keep the valid answers, fine-tune on them, repeat.
 
+Every method with a clipped importance ratio (the critic-free family and PPO) takes the same number of
+optimiser updates per batch, ``updates_per_batch`` (``num_iterations``; PPO's ``num_ppo_epochs``). At one
+update the ratio is exactly 1 when the gradient is taken, so the clip (and DAPO's ``epsilon_high``,
+GSPO's sequence clip) never acts: a comparison in which some clipped methods take two passes and
+others one compares the number of passes as much as the methods.
+
 :func:`run` trains one (algorithm, seed) and evaluates along the way; :func:`run_seeds` trains
 several seeds of one method together (:mod:`rlcourse.trainers.policy_gradient_seeds`,
 :mod:`rlcourse.trainers.ppo_rlhf_seeds`, :mod:`rlcourse.trainers.dpo_seeds`); :func:`compare`
 runs them all and :func:`summary` gives the table: mean and a 95% t-interval over seeds for each
-metric. :func:`paired_difference` compares two methods seed by seed, and :func:`start_results`
-lets it compare a method with the checkpoint it started from.
+metric. :func:`paired_difference` compares two methods seed by seed, :func:`all_pairs` every pair
+with and without Holm's correction for comparing many pairs at once, and :func:`start_results`
+lets them compare a method with the checkpoint it started from.
 
 Each evaluation samples every target of the task several times at temperature 1 and reports
 validity (pass@1), the KL to the checkpoint, pass@k and the share of distinct answers among the
@@ -51,8 +58,8 @@ from rlcourse.trainers.sft import train_sft
 from rlcourse.runtime import seed_everything
 from rlcourse.stats import t_interval
 
-__all__ = ["ALGORITHMS", "MODELS_HELD", "SEED_BATCHED", "CapstoneConfig", "run", "run_seeds", "compare",
-           "evaluate_start", "summary", "paired_difference", "start_results", "curve_band"]
+__all__ = ["ALGORITHMS", "CLIPPED", "MODELS_HELD", "SEED_BATCHED", "CapstoneConfig", "run", "run_seeds", "compare",
+           "evaluate_start", "summary", "paired_difference", "all_pairs", "start_results", "curve_band"]
 
 # name -> PolicyGradientConfig overrides (None: a trainer of its own)
 _PG = {
@@ -62,7 +69,7 @@ _PG = {
     "Dr. GRPO": dict(advantage_estimator="grpo", loss_type="dr_grpo", scale_rewards="none"),
     "DAPO": dict(advantage_estimator="grpo", loss_type="dapo", epsilon_high=0.28, dynamic_sampling=True),
     "GSPO": dict(advantage_estimator="grpo", loss_type="grpo", importance_sampling_level="sequence",
-                 num_iterations=2, epsilon=3e-4, epsilon_high=4e-4),
+                 epsilon=3e-4, epsilon_high=4e-4),
 }
 ALGORITHMS = (*_PG, "PPO", "DPO", "Online DPO", "RFT")
 # Trained several seeds at a time by compare(): the critic-free methods but DAPO, whose dynamic sampling
@@ -70,6 +77,8 @@ ALGORITHMS = (*_PG, "PPO", "DPO", "Online DPO", "RFT")
 # keeps a different number of answers per step, so its fine-tuning batches are ragged across seeds.
 SEED_BATCHED = (*(name for name, settings in _PG.items() if not settings.get("dynamic_sampling")), "PPO", "DPO",
                 "Online DPO")
+# Methods whose loss clips an importance ratio: they take cfg.updates_per_batch updates on each batch.
+CLIPPED = (*_PG, "PPO")
 # Models a run holds in memory while training (policy, reference, critic...).
 MODELS_HELD = {**{name: 1 for name in _PG}, "PPO": 3, "DPO": 2, "Online DPO": 2, "RFT": 1}
 
@@ -81,6 +90,7 @@ class CapstoneConfig:
     budget: int = 8192
     batch: int = 64                 # completions per step (8 prompts x 8 generations)
     learning_rate: float = 6e-4
+    updates_per_batch: int = 2      # optimiser updates on each batch for every method of CLIPPED
     eval_points: int = 4            # evaluations along the way (plus one before training)
     eval_samples_per_target: int = 4    # samples per target at the evaluations along the way
     final_samples_per_target: int = 4   # ... before training and after the budget (lesson 12: 16, ci 8)
@@ -109,20 +119,30 @@ def _evaluate(model, ref, tokenizer, task, cfg: CapstoneConfig, seed: int, final
 
 def _pg_config(name, cfg, seed) -> PolicyGradientConfig:
     settings = {"learning_rate": cfg.learning_rate, "per_device_train_batch_size": cfg.batch,
-                "num_generations": 8, "seed": seed, **_PG[name]}
+                "num_generations": 8, "seed": seed, "num_iterations": cfg.updates_per_batch, **_PG[name]}
     return PolicyGradientConfig(**settings)
 
 
 def _pg_trainer(name, model, tokenizer, task, cfg, seed):
     trainer = PolicyGradientTrainer(model, tokenizer, task, _pg_config(name, cfg, seed))
-    # dynamic sampling (DAPO) may draw several generation batches per step: count every one of them
-    return lambda: cfg.batch * int(trainer.step()["num_gen_batches"])
+
+    def step():  # dynamic sampling (DAPO) may draw several generation batches per step: count every one of them
+        return cfg.batch * int(trainer.step()["num_gen_batches"])
+    step.history = trainer.history
+    return step
+
+
+def _clip_fraction(history: list[dict]) -> float:
+    """The share of tokens whose clipped branch was active at the last update of each step, averaged over the
+    steps that trained (TRL's ``clip_ratio/low_mean + clip_ratio/high_mean``). Exactly 0 at one update per batch."""
+    rows = [m for m in history if not m.get("skipped")]
+    return float(np.mean([m["clip_ratio/low_mean"] + m["clip_ratio/high_mean"] for m in rows])) if rows else 0.0
 
 
 def _ppo_config(cfg, task, seed):
     from rlcourse.trainers.ppo_rlhf import PPOConfig
 
-    return PPOConfig(learning_rate=cfg.learning_rate, batch_size=cfg.batch, num_ppo_epochs=2,
+    return PPOConfig(learning_rate=cfg.learning_rate, batch_size=cfg.batch, num_ppo_epochs=cfg.updates_per_batch,
                      response_length=task.max_new_tokens, kl_coef=0.0, seed=seed)
 
 
@@ -203,6 +223,8 @@ def _checked(algorithm: str, cfg: CapstoneConfig | None) -> CapstoneConfig:
     cfg = cfg or CapstoneConfig()
     if cfg.budget < cfg.batch:
         raise ValueError(f"budget ({cfg.budget}) must be at least one batch ({cfg.batch})")
+    if isinstance(cfg.updates_per_batch, bool) or not isinstance(cfg.updates_per_batch, int) or cfg.updates_per_batch < 1:
+        raise ValueError(f"updates_per_batch must be an integer >= 1, got {cfg.updates_per_batch!r}")
     return cfg
 
 
@@ -243,8 +265,9 @@ def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=Non
     ``pass@k`` and ``samples_per_target``; the first and last rows are evaluated with
     ``cfg.final_samples_per_target``. One row per evaluation mark after the start (``eval_points``
     of them): a step that passes several marks is evaluated once, and that row fills each. Also
-    ``models_held``, ``parameters`` (of one model), ``completions_per_second`` and, on CUDA,
-    ``peak_memory_mb``. ``start``: the checkpoint's evaluation for this seed (:func:`evaluate_start`) when it
+    ``models_held``, ``parameters`` (of one model), ``completions_per_second``, for the critic-free methods
+    ``clip_fraction`` (the clipped share of tokens at each step's last update, averaged over steps) and, on
+    CUDA, ``peak_memory_mb``. ``start``: the checkpoint's evaluation for this seed (:func:`evaluate_start`) when it
     is already made.
     """
     cfg = _checked(algorithm, cfg)
@@ -279,7 +302,8 @@ def run(algorithm: str, seed: int, cfg: CapstoneConfig | None = None, device=Non
                 row = {"samples": samples, "seconds": seconds,
                        **_evaluate(model, ref, tokenizer, task, cfg, seed, final=not marks)}
                 curve += [dict(row) for _ in range(passed)]
-    out = _result(algorithm, seed, curve, model, samples / max(seconds, 1e-9))
+    extra = {"clip_fraction": _clip_fraction(step.history)} if algorithm in _PG else {}
+    out = _result(algorithm, seed, curve, model, samples / max(seconds, 1e-9), **extra)
     if dev.type == "cuda":
         out["peak_memory_mb"] = torch.cuda.max_memory_allocated(dev) / 2**20
     return out
@@ -332,8 +356,10 @@ def run_seeds(algorithm: str, seeds, cfg: CapstoneConfig | None = None, device=N
                 row = {"samples": samples, "seconds": seconds / len(seeds),
                        **_evaluate(trainer.model_of(i), ref, tokenizer, task, cfg, s, final=not marks)}
                 curves[i] += [dict(row) for _ in range(passed)]
-    return [_result(algorithm, s, curve, model, samples * len(seeds) / max(seconds, 1e-9), seeds_batched=len(seeds))
-            for s, curve in zip(seeds, curves)]
+    clips = [_clip_fraction(h) for h in trainer.history] if algorithm in _PG else [None] * len(seeds)
+    return [_result(algorithm, s, curve, model, samples * len(seeds) / max(seconds, 1e-9), seeds_batched=len(seeds),
+                    **({} if clip is None else {"clip_fraction": clip}))
+            for s, curve, clip in zip(seeds, curves, clips)]
 
 
 def _dpo_seeds(model, ref, tokenizer, task, seeds: list[int], cfg: CapstoneConfig, starts: dict) -> list[dict]:
@@ -386,11 +412,40 @@ def paired_difference(results: list[dict], a: str, b: str, key: str = "validity"
     difference can be resolved with fewer seeds than two separate intervals need. The difference
     is resolved when its interval excludes 0.
     """
+    return t_interval(_paired_values(results, a, b, key))
+
+
+def _paired_values(results: list[dict], a: str, b: str, key: str) -> list[float]:
     final = {(r["algorithm"], r["seed"]): r["curve"][-1][key] for r in results}
     shared = sorted({s for (alg, s) in final if alg == a} & {s for (alg, s) in final if alg == b})
     if len(shared) < 2:
         raise ValueError(f"{a!r} and {b!r} need at least 2 shared seeds in results, got {shared}")
-    return t_interval([final[(a, s)] - final[(b, s)] for s in shared])
+    return [final[(a, s)] - final[(b, s)] for s in shared]
+
+
+def all_pairs(results: list[dict], algorithms, key: str = "validity", alpha: float = 0.05) -> list[dict]:
+    """Every pair ``(a, b)`` of ``algorithms`` (``a`` before ``b``) compared seed by seed, with and without Holm.
+
+    One row per pair: ``mean`` and ``half`` (:func:`paired_difference`, ``a`` minus ``b``), the paired t-test's
+    two-sided ``p``, ``resolved`` (the interval excludes 0, i.e. ``p < alpha`` one pair at a time), and
+    ``p_holm`` / ``resolved_holm``: the same family of ``m`` pairs adjusted by :func:`rlcourse.stats.holm`, so that
+    the chance of even one false separation among them is at most ``alpha``. Among 45 pairs that are all
+    true ties, uncorrected tests at 95% would call about two resolved.
+    """
+    from rlcourse.stats import holm, t_test_p_value
+
+    names = list(algorithms)
+    rows = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            d = _paired_values(results, a, b, key)
+            mean, half = t_interval(d)
+            rows.append({"a": a, "b": b, "mean": mean, "half": half, "p": t_test_p_value(d),
+                         "resolved": abs(mean) > half})
+    adjusted, rejected = holm([r["p"] for r in rows], alpha=alpha)
+    for row, p, reject in zip(rows, adjusted, rejected):
+        row.update(p_holm=p, resolved_holm=bool(reject))
+    return rows
 
 
 def start_results(results: list[dict], name: str = "SFT") -> list[dict]:

@@ -8,7 +8,11 @@
   the tuple read as ``(low, high)``);
 * :func:`check_final_validity_intervals` - an experiment: the learner runs algorithms on several
   seeds through the ``run`` it is given and summarises the *final* validity of each with the
-  interval; the check measures the same runs and compares.
+  interval; the check measures the same runs and compares;
+* :func:`check_paired_interval` - the t-interval of seed-by-seed differences of two methods, on
+  data where it resolves a difference that two separate intervals cannot (mistakes caught: separate
+  intervals combined, seeds paired by position instead of by seed, b - a, absolute differences,
+  seeds only one method ran, ``ddof=0``, the normal's 1.96, no error below two shared seeds).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import numpy as np
 
 from rlcourse.grading._core import assert_close, call_unmutated, fail, fail_if_mistake, passed, references
 
-__all__ = ["check_t_interval", "check_intervals_separate", "check_final_validity_intervals"]
+__all__ = ["check_t_interval", "check_intervals_separate", "check_final_validity_intervals", "check_paired_interval"]
 
 
 def _pair(name, case, got):
@@ -148,3 +152,91 @@ def check_final_validity_intervals(fn, algorithms=("REINFORCE", "RFT"), seeds=(4
         assert_close(name, f"{case}: {algorithm}", expected, pair,
                      "t_interval of [run's curve[-1]['validity'] for each seed]", atol=1e-9, rtol=1e-3)
     passed(name, len(algorithms))
+
+
+def _paired_cases():
+    """(case, a, b): ``{seed: final value}`` of two methods. The first is the capstone's situation: each seed's
+    evaluation draws move both methods together (a shared seed effect much larger than their gap)."""
+    rng = np.random.default_rng(1212)
+    seeds = [0, 1, 2, 3, 4, 5, 6, 7]
+    shared = rng.normal(0.0, 0.08, len(seeds))                     # what a seed's two runs share
+    a = {s: 0.70 + e + rng.normal(0, 0.01) for s, e in zip(seeds, shared)}
+    b = {s: 0.66 + e + rng.normal(0, 0.01) for s, e in zip(seeds, shared)}
+    mixed = [5, 0, 3, 6, 1]                                         # the same seeds, stored in other orders
+    a2 = {s: float(0.4 + 0.1 * rng.random()) for s in mixed}
+    b2 = {s: a2[s] + float(rng.normal(0.05, 0.02)) for s in sorted(mixed, reverse=True)}
+    a3 = {4: 0.52, 7: 0.61, 9: 0.58, 11: 0.49}                      # seed 13 ran only for b, seed 9 only for a
+    b3 = {4: 0.55, 7: 0.55, 11: 0.47, 13: 0.05}                     # differences of both signs
+    return [("8 seeds sharing a large seed effect: separate intervals overlap, pairing resolves", a, b),
+            ("a seed only a ran (9) and one only b ran (13): use the shared seeds 4, 7, 11", a3, b3),
+            ("5 seeds, a below b, each dict in its own seed order", a2, b2),
+            ("2 seeds, numpy floats", {10: np.float64(0.3), 20: np.float64(0.5)}, {10: np.float64(0.1), 20: np.float64(0.4)}),
+            ("4 seeds, identical differences: the half-width is 0", {1: 0.3, 2: 0.5, 3: 0.2, 4: 0.9},
+             {1: 0.1, 2: 0.3, 3: 0.0, 4: 0.7})]
+
+
+@references("rlcourse.measure.capstone:paired_difference", "rlcourse.measure.capstone:_paired_values",
+            "rlcourse.measure.capstone:all_pairs")
+def check_paired_interval(fn) -> None:
+    """``fn(a, b) -> (mean, half_width)``: the 95% t-interval of ``a[s] - b[s]`` over the seeds ``s`` both dicts hold.
+
+    ``a`` and ``b`` map seed -> final value of two methods. Fewer than two shared seeds: ``ValueError``.
+    """
+    __tracebackhide__ = True
+    from rlcourse.stats import T975, interval_above, intervals_separate, t_interval as reference
+
+    name = "check_paired_interval"
+    cases = _paired_cases()
+    for index, (case, a, b) in enumerate(cases):
+        shared = sorted(set(a) & set(b))
+        d = np.array([a[s] - b[s] for s in shared], dtype=float)
+        expected = reference(d)
+        try:
+            got = _pair(name, case, call_unmutated(name, case, fn, a, b))
+        except KeyError as error:
+            fail(name, case, expected, f"KeyError: {error}",
+                 "a seed that only one method ran has nothing to pair with: use the seeds both dicts hold")
+        n, t = len(d), T975[len(d) - 1]
+        if index == 0:  # what this exercise is for, measured on the data it grades with
+            assert intervals_separate(reference(d), (0.0, 0.0)) and not intervals_separate(
+                reference(list(a.values())), reference(list(b.values()))), "check data no longer shows pairing"
+        va, vb = np.array([a[s] for s in shared], float), np.array([b[s] for s in shared], float)
+        ha, hb = reference(va)[1], reference(vb)[1]
+        by_position = [float(x) - float(y) for x, y in zip(a.values(), b.values())]
+        mistakes = [
+            ((expected[0], math.hypot(ha, hb)),
+             "that combines two separate intervals; pair them: one difference a[s] - b[s] per seed, then the "
+             "t-interval of those differences (what a seed's two runs share cancels in the difference)"),
+            ((expected[0], ha + hb), "that adds the two separate half-widths; take the t-interval of the differences"),
+            ((-expected[0], expected[1]), "the difference is a minus b, seed by seed"),
+            (reference(np.abs(d)) if n > 1 else expected, "keep the sign of each difference: no abs()"),
+            ((expected[0], t * d.std(ddof=0) / math.sqrt(n)), "use the sample standard deviation, ddof=1"),
+            ((expected[0], 1.96 * d.std(ddof=1) / math.sqrt(n)), "use Student's t_{0.975, n-1}, not the normal's 1.96"),
+        ]
+        if len(by_position) > 1:
+            mistakes.append((reference(by_position),
+                             "pair the values by seed (a[s] - b[s] for each seed s), not by their position in the "
+                             "dicts: zip(a.values(), b.values()) pairs different seeds when the orders differ"))
+        if set(a) != set(b):
+            everyone = sorted(set(a) | set(b))
+            mistakes += [(reference([a.get(s, 0.0) - b.get(s, 0.0) for s in everyone]),
+                          "a seed that only one method ran has nothing to pair with: use the seeds both dicts hold"),
+                         ((float(np.mean(list(a.values())) - np.mean(list(b.values()))), expected[1]),
+                          "the mean must be over the shared seeds too: a seed only one method ran is left out")]
+        for wrong, hint in mistakes:
+            fail_if_mistake(name, case, expected, got, wrong, hint)
+        assert_close(name, case, expected, got, "t_interval([a[s] - b[s] for s in seeds both dicts hold])",
+                     atol=1e-9, rtol=1e-3)
+        if index == 0 and not interval_above(got, (0.0, 0.0)):
+            fail(name, case, f"an interval above 0: {expected}", got, "pairing should resolve this difference")
+    case = "only one shared seed (seed 3): an interval needs at least 2"
+    try:
+        got = fn({3: 0.5, 4: 0.6}, {3: 0.4, 8: 0.1})
+    except ValueError:
+        pass
+    except Exception as error:  # noqa: BLE001 - name what was raised instead
+        fail(name, case, "ValueError", f"{type(error).__name__}: {error}",
+             "check the number of shared seeds first and raise ValueError with a message that says so")
+    else:
+        fail(name, case, "ValueError", got, "with fewer than 2 shared seeds there is no interval: raise ValueError")
+    passed(name, len(cases) + 1)
