@@ -141,7 +141,7 @@ def test_preference_loss_sums_weighted_means():
     want = (0.5 * dpo_sigmoid_loss(cw, cl, rw, rl, 0.2).mean() + 2.0 * dpo_hinge_loss(cw, cl, rw, rl, 0.2).mean()
             + 3.0 * chosen_nll_loss(tok, mask))
     assert torch.allclose(got, want)
-    assert set(LOSS_TYPES) == {"sigmoid", "hinge", "ipo", "robust", "sft"}
+    assert set(LOSS_TYPES) == {"sigmoid", "hinge", "ipo", "robust", "sft", "sigmoid_norm"}
 
 
 def test_margin_is_the_difference_of_log_ratios():

@@ -97,7 +97,9 @@ CASES = [(["sigmoid"], None, 0.0, 0.1), (["sigmoid"], None, 0.0, 2.0), (["hinge"
          (["hinge"], None, 0.0, 0.7), (["ipo"], None, 0.0, 0.1), (["ipo"], None, 0.0, 1.5),
          (["robust"], None, 0.1, 0.1), (["robust"], None, 0.3, 0.5), (["sft"], None, 0.0, 0.1),
          (["sigmoid", "sft"], [1.0, 1.0], 0.0, 0.1), (["ipo", "sft"], [0.5, 2.0], 0.0, 0.3),
-         (["sigmoid", "hinge", "robust"], [0.8, 0.2, 1.0], 0.2, 0.4)]
+         (["sigmoid", "hinge", "robust"], [0.8, 0.2, 1.0], 0.2, 0.4),
+         (["sigmoid_norm"], None, 0.0, 0.1), (["sigmoid_norm"], None, 0.0, 5.0),      # length-normalised DPO (Tulu 3)
+         (["sigmoid_norm", "sft"], [1.0, 0.5], 0.0, 2.0)]
 
 
 @pytest.mark.parametrize("loss_type, loss_weights, label_smoothing, beta", CASES,
@@ -129,6 +131,23 @@ def test_train_dpos_batch_loss_keeps_trls_per_token_ipo(trl_trainer, seed):
     loss.backward()
     torch.testing.assert_close(loss.detach(), trl_loss.to(loss.dtype), atol=1e-6, rtol=1e-6)
     real = completion_mask[:, 1:].bool()   # TRL sums every column (its padding holds 0); ours selects the real ones
+    torch.testing.assert_close(leaf.grad[real], trl_grad[real], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("ipo_per_token", [True, False])
+def test_train_dpos_batch_loss_keeps_trls_length_normalised_dpo(trl_trainer, ipo_per_token):
+    """Length-normalised DPO through the trainer's own batch_loss is TRL's ``sigmoid_norm``: each log-ratio divided by
+    its completion's length, whichever IPO convention the trainer keeps (online DPO passes ipo_per_token=False)."""
+    from rlcourse.trainers.dpo import DPOConfig, batch_loss
+
+    token_logps, completion_mask, ref = _fixed_batch(2)
+    trl_loss, trl_grad, _ = _run_trl(trl_trainer, token_logps, completion_mask, ref, 3.0, ["sigmoid_norm"], None, 0.0)
+    leaf = token_logps.detach().clone().requires_grad_(True)
+    loss, _, _ = batch_loss(DPOConfig(loss_type="sigmoid_norm", beta=3.0), *leaf.chunk(2), completion_mask[:, 1:],
+                            *ref.chunk(2), ipo_per_token=ipo_per_token)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), trl_loss.to(loss.dtype), atol=1e-6, rtol=1e-6)
+    real = completion_mask[:, 1:].bool()
     torch.testing.assert_close(leaf.grad[real], trl_grad[real], atol=1e-6, rtol=1e-6)
 
 

@@ -254,10 +254,11 @@ def preference_objective(chosen_token_logps, rejected_token_logps, chosen_mask, 
             term = rdpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_len,
                              rejected_len, beta, rdpo_alpha).mean()
         elif kind in DPO_LOSS_TYPES:
+            per_token = ipo_per_token or kind == "sigmoid_norm"      # lengths: IPO's (offline) and sigmoid_norm's
             term = preference_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=beta,
-                                   loss_type=kind, label_smoothing=label_smoothing,       # lengths: IPO's alone
-                                   chosen_lengths=chosen_len if ipo_per_token else None,
-                                   rejected_lengths=rejected_len if ipo_per_token else None,
+                                   loss_type=kind, label_smoothing=label_smoothing,
+                                   chosen_lengths=chosen_len if per_token else None,
+                                   rejected_lengths=rejected_len if per_token else None,
                                    chosen_token_logps=chosen_token_logps,
                                    chosen_mask=chosen_mask)
         else:

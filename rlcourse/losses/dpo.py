@@ -13,6 +13,8 @@ margin ``h = [log pi(y_w) - log pi_ref(y_w)] - [log pi(y_l) - log pi_ref(y_l)]``
     sigmoid (DPO)      -log sigmoid(beta h)                          Rafailov et al. 2023
     hinge (SLiC)       max(0, 1 - beta h)                            Zhao et al. 2023, arXiv 2305.10425
     ipo                (h / |y| - 1 / (2 beta))^2                    Azar et al. 2023, arXiv 2310.12036
+    sigmoid_norm       -log sigmoid(beta h / |y|)                    length-normalised DPO, Tulu 3:
+                                                                     Lambert et al. 2024, arXiv 2411.15124
     robust             [-(1-e) log s(beta h) + e log s(-beta h)] / (1 - 2e)
                                                                      Chowdhury et al. 2024, arXiv 2403.00409
     conservative       -(1-e) log s(beta h) - e log s(-beta h)       cDPO, Mitchell 2023 (a note,
@@ -25,8 +27,9 @@ Every pairwise loss returns one value per pair (shape (B,)); :func:`preference_l
 them and sums the weighted terms, with TRL's ``DPOConfig`` names (``beta``, ``loss_type``,
 ``loss_weights``, ``label_smoothing``). Names and conventions follow TRL 1.16's ``DPOTrainer`` (the
 parity tests run TRL's code on the same log-probs): IPO's margin is averaged over each
-completion's tokens when lengths are given, and the ``sft`` term is a mean over all chosen tokens
-of the batch.
+completion's tokens when lengths are given, ``sigmoid_norm`` always averages them (``h / |y|``
+stands for ``[log pi(y_w) - log pi_ref(y_w)] / |y_w| - [log pi(y_l) - log pi_ref(y_l)] / |y_l|``), and
+the ``sft`` term is a mean over all chosen tokens of the batch.
 """
 from __future__ import annotations
 
@@ -36,10 +39,10 @@ import torch.nn.functional as F
 from rlcourse.losses.policy_gradient import masked_mean
 
 __all__ = ["DPO_LOSS_TYPES", "dpo_implicit_reward", "dpo_logratio_margin", "dpo_sigmoid_loss",
-           "dpo_hinge_loss", "ipo_loss", "robust_dpo_loss", "conservative_dpo_loss", "chosen_nll_loss",
-           "preference_loss"]
+           "dpo_hinge_loss", "ipo_loss", "length_normalised_dpo_loss", "robust_dpo_loss", "conservative_dpo_loss",
+           "chosen_nll_loss", "preference_loss"]
 
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "sft")
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "sft", "sigmoid_norm")
 LOSS_TYPES = DPO_LOSS_TYPES  # the short name inside this module
 
 
@@ -137,6 +140,25 @@ def ipo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     return (h - 1 / (2 * beta)) ** 2
 
 
+def length_normalised_dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float,
+                               chosen_lengths, rejected_lengths) -> torch.Tensor:
+    """Length-normalised DPO (Tulu 3: Lambert et al. 2024, arXiv 2411.15124), per pair:
+
+        -log sigmoid(beta * ([log pi(y_w) - log pi_ref(y_w)] / |y_w| - [log pi(y_l) - log pi_ref(y_l)] / |y_l|)),
+
+    DPO with each log-ratio divided by its completion's length in tokens (``chosen_lengths``,
+    ``rejected_lengths``: shape (B,); lengths below 1 count as 1). TRL 1.16's ``loss_type="sigmoid_norm"``.
+    A per-token log-ratio is about ``1 / |y|`` of the whole one, so ``beta`` must be about ``|y|`` times
+    DPO's for the same pull (Tulu 3 used ``beta = 5``). Both lengths are required.
+    """
+    _check_beta(beta)
+    if chosen_lengths is None or rejected_lengths is None:
+        raise ValueError("length-normalised DPO (loss_type 'sigmoid_norm') needs chosen_lengths and rejected_lengths")
+    h = dpo_logratio_margin(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                            chosen_lengths, rejected_lengths)
+    return -F.logsigmoid(beta * h)
+
+
 def robust_dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
                     beta: float, label_smoothing: float) -> torch.Tensor:
     """Robust DPO for labels flipped with probability ``e`` = ``label_smoothing`` (Chowdhury et al. 2024):
@@ -163,9 +185,11 @@ def conservative_dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_re
     the cross-entropy of the implicit preference ``sigmoid(beta h)`` against the soft label ``1 - e``
     (``e`` = ``label_smoothing``). Unlike DPO and robust DPO it has a finite minimiser per pair,
     ``beta h = log((1 - e) / e)``, so a pair's margin stops growing there. This is what OpenRLHF's
-    ``DPOLoss`` computes with ``label_smoothing > 0`` (``openrlhf/models/loss.py``); TRL 1.16 reads
-    ``label_smoothing`` only in its ``robust`` and ``exo_pair`` losses, and has no cDPO loss type,
-    so this function is not one of :data:`LOSS_TYPES`. ``e = 0`` is DPO.
+    ``DPOLoss`` computes with ``label_smoothing > 0`` (``openrlhf/models/loss.py``). TRL 1.16's
+    ``DPOTrainer`` reads ``label_smoothing`` only in its ``robust``, ``exo_pair``, ``aot`` and
+    ``aot_unpaired`` losses (the last two weight a sorted-batch margin by ``1 - e`` and ``e`` as cDPO
+    does); its ``sigmoid`` ignores it and it has no cDPO loss type, so this function is not one of
+    :data:`LOSS_TYPES`. ``e = 0`` is DPO.
     """
     _check_beta(beta)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
@@ -208,8 +232,9 @@ def preference_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected
     """``sum_k w_k * mean_pairs loss_k``: the scalar a DPO trainer minimises.
 
     ``loss_type`` is one name of :data:`LOSS_TYPES` or a list (``["sigmoid", "sft"]`` is RPO),
-    ``loss_weights`` one weight per type (default 1 each). IPO needs the completion lengths; the
-    ``"sft"`` term needs the chosen per-token log-probs and their mask.
+    ``loss_weights`` one weight per type (default 1 each). IPO reads the completion lengths when
+    given, ``sigmoid_norm`` requires them; the ``"sft"`` term needs the chosen per-token log-probs and
+    their mask.
     """
     _check_beta(beta)
     args = (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
@@ -223,6 +248,8 @@ def preference_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected
             term = ipo_loss(*args, beta, chosen_lengths, rejected_lengths).mean()
         elif kind == "robust":
             term = robust_dpo_loss(*args, beta, label_smoothing).mean()
+        elif kind == "sigmoid_norm":
+            term = length_normalised_dpo_loss(*args, beta, chosen_lengths, rejected_lengths).mean()
         else:  # "sft"
             if chosen_token_logps is None or chosen_mask is None:
                 raise ValueError("loss_type 'sft' needs chosen_token_logps (B, T) and chosen_mask")

@@ -48,8 +48,8 @@ class DPOConfig:
 
     * ``beta`` (0.1): strength of the KL regularisation, the inverse temperature of the implicit reward
       (SimPO's ``beta``, ORPO's ``lambda``, KTO's ``beta``).
-    * ``loss_type`` ("sigmoid"): one of ``sigmoid``, ``hinge``, ``ipo``, ``robust``, ``sft``, ``simpo``,
-      ``orpo``, ``kto`` (:mod:`rlcourse.losses.beyond_dpo`), or a list.
+    * ``loss_type`` ("sigmoid"): one of ``sigmoid``, ``hinge``, ``ipo``, ``robust``, ``sft``, ``sigmoid_norm``
+      (length-normalised DPO), ``simpo``, ``orpo``, ``kto`` (:mod:`rlcourse.losses.beyond_dpo`), or a list.
     * ``loss_weights`` (None = 1 each): one weight per loss type, e.g. ``["sigmoid", "sft"], [1, 1]``.
     * ``label_smoothing`` (0): the assumed label-flip rate of the ``robust`` loss.
     * ``learning_rate``: **1e-4** here, TRL's default is 1e-6 (for billion-parameter models; a
