@@ -83,6 +83,7 @@ PPO_RLHF_TRAINER = (
     "rlcourse.trainers.ppo_rlhf:PPORLHFTrainer.token_rewards", "rlcourse.trainers.ppo_rlhf:PPORLHFTrainer.advantages",
     "rlcourse.trainers.ppo_rlhf:PPORLHFTrainer.loss", "rlcourse.trainers.ppo_rlhf:PPORLHFTrainer.step",
     "rlcourse.trainers.ppo_rlhf:PPORLHFTrainer.train",
+    "rlcourse.trainers.ppo_rlhf_seeds:SeedBatchedPPORLHFTrainer.token_rewards",
     "rlcourse.trainers.ppo_rlhf_seeds:SeedBatchedPPORLHFTrainer.advantages",
     "rlcourse.trainers.ppo_rlhf_seeds:SeedBatchedPPORLHFTrainer.losses",
     "rlcourse.trainers.ppo_rlhf_seeds:SeedBatchedPPORLHFTrainer.loss",

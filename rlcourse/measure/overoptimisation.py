@@ -23,7 +23,9 @@ import torch
 from rlcourse.kl import exact_kl
 from rlcourse.regularised_optimum import kl_regularised_optimum
 
-__all__ = ["audit_labels", "optimum_curve"]
+__all__ = ["audit_labels", "optimum_curve", "gao_form", "fit_gao_form"]
+
+GAO_FORMS = ("best_of_n", "rl")
 
 
 def optimum_curve(task, kl_coefs, length_bias: float | None = None, prompts=None) -> list[dict]:
@@ -67,3 +69,46 @@ def audit_labels(pairs: list[dict], gold_score) -> tuple[float, float]:
 
     gold = [gold_score(p["prompt"], p["chosen"]) - gold_score(p["prompt"], p["rejected"]) for p in pairs]
     return share(gold), share([len(p["chosen"]) - len(p["rejected"]) for p in pairs])
+
+
+def _gao_columns(kl, form: str) -> np.ndarray:
+    """The two columns ``[d, -d^2]`` (best-of-n) or ``[d, -d log d]`` (RL) at ``d = sqrt(kl)``, shape (N, 2)."""
+    if form not in GAO_FORMS:
+        raise ValueError(f"form must be one of {GAO_FORMS}, got {form!r}")
+    kl = np.asarray(kl, dtype=np.float64)
+    if kl.ndim != 1 or not np.isfinite(kl).all() or (kl < 0).any():
+        raise ValueError("kl must be a 1-D array of finite values >= 0 (nats)")
+    d = np.sqrt(kl)
+    if form == "best_of_n":
+        return np.stack([d, -d * d], axis=1)
+    d_log_d = np.where(d > 0, d * np.log(np.where(d > 0, d, 1.0)), 0.0)   # d log d -> 0 as d -> 0
+    return np.stack([d, -d_log_d], axis=1)
+
+
+def gao_form(kl, alpha: float, beta: float, form: str) -> np.ndarray:
+    """Gao et al.'s (2022, arXiv 2210.10760) gold-score gain at ``KL`` nats, with ``d = sqrt(KL)``:
+
+        best-of-n:  R(d) = d (alpha - beta d)
+        RL:         R(d) = d (alpha - beta log d)
+
+    ``kl`` is (N,); returns (N,). ``R`` is the gain over the starting policy (0 at ``KL = 0``).
+    """
+    return _gao_columns(kl, form) @ np.array([alpha, beta], dtype=np.float64)
+
+
+def fit_gao_form(kl, gain, form: str) -> tuple[float, float]:
+    """Least-squares ``(alpha, beta)`` of :func:`gao_form` through the points ``(kl_i, gain_i)``, both (N,).
+
+    Both forms are linear in ``(alpha, beta)``, so the fit minimises ``sum_i (gain_i - R(d_i))^2``
+    exactly: the normal equations of the columns ``[d, -d^2]`` or ``[d, -d log d]``. Points at
+    ``KL = 0`` add nothing (both columns vanish there). At least two points with ``KL > 0`` and
+    columns that are not proportional are needed.
+    """
+    columns = _gao_columns(kl, form)
+    gain = np.asarray(gain, dtype=np.float64)
+    if gain.shape != (columns.shape[0],) or not np.isfinite(gain).all():
+        raise ValueError(f"gain must be a finite 1-D array of the same length as kl ({columns.shape[0]})")
+    if np.linalg.matrix_rank(columns) < 2:
+        raise ValueError("the fit needs at least two points at different KL > 0 (and, for RL, not all at d = 1)")
+    (alpha, beta), *_ = np.linalg.lstsq(columns, gain, rcond=None)
+    return float(alpha), float(beta)

@@ -16,6 +16,8 @@ One iteration:
    each row, the critic's targets ``returns = A + V``, then the advantages whitened over the batch.
 4. **Update**: ``num_ppo_epochs`` passes over the batch in ``num_mini_batches`` minibatches of
    :func:`ppo_rlhf_loss` = clipped policy loss + ``vf_coef`` * clipped value loss.
+5. **KL controller** (only with ``adap_kl_ctrl=True``): :func:`adaptive_kl_coef` moves ``kl_coef``
+   towards the value that keeps the batch's KL at ``target`` (Ziegler et al. 2019).
 
 Each step is a method of :class:`PPORLHFTrainer`, so a lesson can override one to show a bug.
 """
@@ -38,7 +40,7 @@ from rlcourse.losses import ppo_clip_loss, ppo_diagnostics, value_loss, masked_m
 from rlcourse.returns import gae, whiten
 
 __all__ = ["PPOConfig", "PPORLHFTrainer", "eos_rule", "kl_shaped_rewards", "advantages_and_returns", "ppo_rlhf_loss",
-           "minibatch_loss", "iteration_metrics", "disable_dropout"]
+           "minibatch_loss", "iteration_metrics", "disable_dropout", "adaptive_kl_coef"]
 
 
 @dataclass
@@ -69,6 +71,16 @@ class PPOConfig:
     of ``k3 * grad log pi`` is ``grad KL(pi || ref) - grad KL(ref || pi)``, not ``grad KL(pi || ref)``
     (k1's): near the reference the two nearly cancel, far from it the penalty can push the policy
     away from the reference. Lesson 07b measures both ("In the reward, the penalty is a number").
+
+    ``whiten_rewards`` here divides the shaped rewards by their standard deviation over the real
+    tokens (:func:`advantages_and_returns`); TRL's option of that name (``trl.experimental.ppo`` up
+    to v1.9) also kept their mean, ``(r - mean) / std + mean``.
+
+    ``adap_kl_ctrl``, ``target`` and ``horizon`` are the adaptive KL controller of Ziegler et al.
+    2019 under the names of TRL's ``PPOConfig`` up to v0.11 (where ``kl_coef`` was ``init_kl_coef``
+    and the controller was on by default, ``target=6``, ``horizon=10000``): after each iteration
+    :func:`adaptive_kl_coef` moves the coefficient towards the value that holds ``objective/kl`` at
+    ``target``. Off by default here: ``kl_coef`` stays fixed, as in TRL's later ``PPOConfig``.
     """
 
     learning_rate: float = 1e-3
@@ -91,6 +103,9 @@ class PPOConfig:
     reward_bias: float = 0.0
     disable_dropout: bool = True
     seed: int = 0
+    adap_kl_ctrl: bool = False
+    target: float = 6.0
+    horizon: float = 10000.0
 
     def __post_init__(self):
         if self.kl_estimator not in ("k1", "k3"):
@@ -116,10 +131,37 @@ class PPOConfig:
         if self.missing_eos_penalty is not None and self.non_eos_score is not None:
             raise ValueError("set missing_eos_penalty (TRL: subtract a penalty) or non_eos_score (Huang et al.: "
                              "replace the score), not both")
+        if not (self.target > 0 and self.horizon > 0 and math.isfinite(self.target) and math.isfinite(self.horizon)):
+            raise ValueError(f"target and horizon must be finite numbers > 0, got {self.target!r}, {self.horizon!r}")
+        if self.adap_kl_ctrl and not self.kl_coef > 0:
+            raise ValueError("adap_kl_ctrl multiplies kl_coef: it needs an initial kl_coef > 0")
         for name in ("missing_eos_penalty", "non_eos_score", "reward_bias"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def adaptive_kl_coef(kl_coef: float, kl: float, *, target: float, n_steps: int, horizon: float,
+                     k_beta: float = 1.0) -> float:
+    """One update of Ziegler et al.'s adaptive KL controller (2019, arXiv 1909.08593, section 2.2):
+
+        e        = clip(KL / target - 1, -0.2, 0.2)
+        kl_coef <- kl_coef * (1 + k_beta * e * n_steps / horizon)
+
+    ``kl`` is the batch's mean KL per completion (``objective/kl``, nats), ``target`` the KL to
+    hold, ``n_steps`` the completions in the batch. The paper writes ``K_beta = 0.1`` per update;
+    its code, and TRL's ``AdaptiveKLController`` up to v0.11, set ``k_beta = 1`` and let
+    ``n_steps / horizon`` give the rate. Above the target the coefficient grows, below it shrinks,
+    by at most ``0.2 * k_beta * n_steps / horizon`` of itself per update: a proportional
+    controller on ``log kl_coef`` whose error is clipped so one odd batch cannot swing it.
+    """
+    if not (kl_coef > 0 and target > 0 and horizon > 0 and n_steps > 0 and k_beta >= 0):
+        raise ValueError(f"kl_coef, target, horizon and n_steps must be > 0 and k_beta >= 0, got "
+                         f"{kl_coef!r}, {target!r}, {horizon!r}, {n_steps!r}, {k_beta!r}")
+    if not math.isfinite(kl):
+        raise ValueError(f"kl must be finite, got {kl!r}")
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + k_beta * error * n_steps / horizon)
 
 
 def eos_rule(scores: torch.Tensor, finished: torch.Tensor, missing_eos_penalty: float | None = None,
@@ -202,21 +244,29 @@ def minibatch_loss(config: PPOConfig, logprobs, values, mb: dict):
     return loss, stats
 
 
-def iteration_metrics(config: PPOConfig, batch: dict, stats: list[dict], iteration: int) -> dict:
-    """One iteration's log row under TRL's PPO names, from its batch and its minibatches' ``stats``."""
+def iteration_metrics(config: PPOConfig, batch: dict, stats: list[dict], iteration: int,
+                      kl_coef: float | None = None) -> dict:
+    """One iteration's log row under TRL's PPO names, from its batch and its minibatches' ``stats``.
+
+    ``kl_coef`` is the coefficient the batch's rewards were shaped with (default ``config.kl_coef``);
+    with ``adap_kl_ctrl`` it is logged as ``objective/kl_coef`` (TRL's name up to v0.11)."""
     c = config
+    coef = c.kl_coef if kl_coef is None else kl_coef
     mean = lambda key: sum(s[key] for s in stats) / len(stats)  # noqa: E731
     kl_sum = batch["kl"].sum(1)
-    non_score = (-c.kl_coef * batch["kl"]).sum(1)
-    return {"objective/kl": float(kl_sum.mean()), "objective/entropy": float(-batch["logprobs"].sum(1).mean()),
-            "objective/non_score_reward": float(non_score.mean()),
-            "objective/rlhf_reward": float((batch["scores"] + non_score).mean()),
-            "objective/scores": float(batch["scores"].mean()),
-            "policy/approxkl_avg": mean("approx_kl"), "policy/clipfrac_avg": mean("clip_fraction"),
-            "loss/policy_avg": mean("loss/policy"), "loss/value_avg": mean("loss/value"),
-            "val/clipfrac_avg": mean("val/clipfrac"), "val/ratio": mean("val/ratio"),
-            "val/num_eos_tokens": int(batch["finished"].sum()), "lr": c.learning_rate,
-            "episode": (iteration + 1) * c.batch_size}
+    non_score = (-coef * batch["kl"]).sum(1)
+    row = {"objective/kl": float(kl_sum.mean()), "objective/entropy": float(-batch["logprobs"].sum(1).mean()),
+           "objective/non_score_reward": float(non_score.mean()),
+           "objective/rlhf_reward": float((batch["scores"] + non_score).mean()),
+           "objective/scores": float(batch["scores"].mean()),
+           "policy/approxkl_avg": mean("approx_kl"), "policy/clipfrac_avg": mean("clip_fraction"),
+           "loss/policy_avg": mean("loss/policy"), "loss/value_avg": mean("loss/value"),
+           "val/clipfrac_avg": mean("val/clipfrac"), "val/ratio": mean("val/ratio"),
+           "val/num_eos_tokens": int(batch["finished"].sum()), "lr": c.learning_rate,
+           "episode": (iteration + 1) * c.batch_size}
+    if c.adap_kl_ctrl:
+        row["objective/kl_coef"] = float(coef)
+    return row
 
 
 def disable_dropout(model) -> None:
@@ -253,6 +303,7 @@ class PPORLHFTrainer:
                                            lr=config.learning_rate, weight_decay=0.0)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.rng_seed, self.iteration, self.history = config.seed, 0, []
+        self.kl_coef = config.kl_coef   # the coefficient in use: config.kl_coef, moved by the controller if on
 
     @torch.no_grad()
     def rollout(self, prompts: list[str]) -> dict:
@@ -281,7 +332,7 @@ class PPORLHFTrainer:
     def token_rewards(self, batch: dict):
         c = self.config
         return kl_shaped_rewards(batch["scores"], batch["logprobs"], batch["ref_logprobs"],
-                                 batch["completion_mask"], c.kl_coef, c.kl_estimator)
+                                 batch["completion_mask"], self.kl_coef, c.kl_estimator)
 
     def advantages(self, batch: dict):
         c = self.config
@@ -323,9 +374,13 @@ class PPORLHFTrainer:
         return self._log(batch, stats)
 
     def _log(self, batch: dict, stats: list[dict]) -> dict:
-        row = iteration_metrics(self.config, batch, stats, self.iteration)
+        c = self.config
+        row = iteration_metrics(c, batch, stats, self.iteration, self.kl_coef)
         if self.gold_fn is not None:
             row["gold/scores"] = float(torch.as_tensor(self.gold_fn(batch["prompts"], batch["completions"])).mean())
+        if c.adap_kl_ctrl:   # the next batch is shaped with the updated coefficient
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, row["objective/kl"], target=c.target,
+                                            n_steps=c.batch_size, horizon=c.horizon)
         self.iteration += 1
         self.history.append(row)
         return row

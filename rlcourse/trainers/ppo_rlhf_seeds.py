@@ -32,8 +32,8 @@ from tqdm.auto import tqdm
 
 from rlcourse.lm.fast_gpt2 import supports, supports_scalar_head
 from rlcourse.lm.logprobs import sequence_logprobs
-from rlcourse.trainers.ppo_rlhf import (PPOConfig, PPORLHFTrainer, advantages_and_returns, disable_dropout,
-                                  iteration_metrics, minibatch_loss)
+from rlcourse.trainers.ppo_rlhf import (PPOConfig, PPORLHFTrainer, adaptive_kl_coef, advantages_and_returns,
+                                        disable_dropout, iteration_metrics, kl_shaped_rewards, minibatch_loss)
 from rlcourse.lm.seed_stack import SeedAdam, seed_model, seed_runs, stack_models
 from rlcourse.lm.seed_stack import score_by_seed, seed_copies
 from rlcourse.lm.value_model import token_values
@@ -82,6 +82,7 @@ class SeedBatchedPPORLHFTrainer(PPORLHFTrainer):
         self.generator = [torch.Generator(self.device).manual_seed(s) for s in self.seeds]   # read by rollout()
         self.iteration = 0
         self.history: list[list[dict]] = [[] for _ in self.seeds]
+        self.kl_coef = [config.kl_coef] * len(self.seeds)   # each seed's coefficient (its own controller if on)
 
     @property
     def num_seeds(self) -> int:
@@ -97,6 +98,14 @@ class SeedBatchedPPORLHFTrainer(PPORLHFTrainer):
 
     def _rows(self, s: int, size: int) -> slice:
         return slice(s * size, (s + 1) * size)
+
+    def token_rewards(self, batch: dict):
+        """KL-shaped rewards of every row, each seed's rows with its own ``kl_coef``."""
+        c, B = self.config, self.config.batch_size
+        parts = [kl_shaped_rewards(batch["scores"][self._rows(s, B)], batch["logprobs"][self._rows(s, B)],
+                                   batch["ref_logprobs"][self._rows(s, B)], batch["completion_mask"][self._rows(s, B)],
+                                   self.kl_coef[s], c.kl_estimator) for s in range(self.num_seeds)]
+        return torch.cat([r for r, _ in parts]), torch.cat([k for _, k in parts])
 
     def advantages(self, batch: dict):
         """GAE and returns for every row; the advantages whitened within each seed's rows, as each run alone would."""
@@ -148,13 +157,17 @@ class SeedBatchedPPORLHFTrainer(PPORLHFTrainer):
         return self._log(batch, stats)
 
     def _log(self, batch: dict, stats: list[list[dict]]) -> list[dict]:
-        B, rows = self.config.batch_size, []
+        c, rows = self.config, []
+        B = c.batch_size
         for s in range(self.num_seeds):
             part = {k: v[self._rows(s, B)] for k, v in batch.items()}    # tensors and lists alike
-            row = iteration_metrics(self.config, part, stats[s], self.iteration)
+            row = iteration_metrics(c, part, stats[s], self.iteration, self.kl_coef[s])
             if self.gold_fn is not None:
                 gold = self.seed_golds[s](part["prompts"], part["completions"])
                 row["gold/scores"] = float(torch.as_tensor(gold).mean())
+            if c.adap_kl_ctrl:   # each seed's controller reads its own KL, as its solo run's would
+                self.kl_coef[s] = adaptive_kl_coef(self.kl_coef[s], row["objective/kl"], target=c.target,
+                                                   n_steps=B, horizon=c.horizon)
             self.history[s].append(row)
             rows.append(row)
         self.iteration += 1

@@ -190,7 +190,7 @@ def check_score_at_last_token(fn) -> None:
 
 
 @references("rlcourse.trainers.ppo_rlhf:kl_shaped_rewards", "rlcourse.trainers.ppo_rlhf:PPORLHFTrainer.token_rewards",
-            "rlcourse.kl:kl_k1")
+            "rlcourse.trainers.ppo_rlhf_seeds:SeedBatchedPPORLHFTrainer.token_rewards", "rlcourse.kl:kl_k1")
 def check_kl_shaped_rewards(fn) -> None:
     """``fn(scores, logprobs, ref_logprobs, mask, kl_coef) -> (B, T)``: ``-kl_coef * k1_t`` plus the score at the last real token.
 
