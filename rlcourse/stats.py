@@ -24,15 +24,21 @@ T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
         10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
 
 
+def _seed_values(values) -> np.ndarray:
+    """``values`` as a 1-D float array of at least 2 finite numbers (one per seed), else ``ValueError``."""
+    x = np.asarray(values, dtype=float)
+    if x.ndim != 1 or len(x) < 2 or not np.isfinite(x).all():
+        raise ValueError(f"values must be at least 2 finite numbers, got {values!r}")
+    return x
+
+
 def t_interval(values) -> tuple[float, float]:
     """Mean and half-width of the 95% Student-t interval: ``mean +/- t_{0.975, n-1} s / sqrt(n)``.
 
     ``s`` is the sample standard deviation (``ddof=1``). With 3 seeds ``t = 4.303``: the interval
     is wide, and two algorithms are called different only where their intervals do not overlap.
     """
-    x = np.asarray(values, dtype=float)
-    if x.ndim != 1 or len(x) < 2 or not np.isfinite(x).all():
-        raise ValueError(f"values must be at least 2 finite numbers, got {values!r}")
+    x = _seed_values(values)
     df = len(x) - 1
     t = T975[max(k for k in T975 if k <= df)] if df <= 30 else 1.96
     return float(x.mean()), float(t * x.std(ddof=1) / math.sqrt(len(x)))
@@ -89,9 +95,7 @@ def t_test_p_value(values) -> float:
     differences this is the paired t-test, and ``p < 0.05`` exactly when the 95% :func:`t_interval` of the
     differences excludes 0 (for ``n - 1`` in the t table). All values equal: ``p = 1`` at 0, else 0.
     """
-    x = np.asarray(values, dtype=float)
-    if x.ndim != 1 or len(x) < 2 or not np.isfinite(x).all():
-        raise ValueError(f"values must be at least 2 finite numbers, got {values!r}")
+    x = _seed_values(values)
     mean, s = float(x.mean()), float(x.std(ddof=1))
     if s == 0.0:
         return 1.0 if mean == 0.0 else 0.0

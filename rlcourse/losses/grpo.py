@@ -231,10 +231,8 @@ def reinforce_plus_plus_advantages(rewards, num_generations: int = 1, *, lengths
         if weights.shape != rewards.shape or bool((weights < 1).any()):
             raise ValueError(f"lengths must hold token counts >= 1 of rewards' shape {tuple(rewards.shape)}, "
                              f"got {tuple(weights.shape)}")
-    grouped = rewards.unflatten(-1, (-1, K))
-    centred = grouped - grouped.mean(-1, keepdim=True) if K > 1 else grouped
-    centred = torch.where((grouped == grouped[..., :1]).all(-1, keepdim=True) & (K > 1),
-                          torch.zeros_like(centred), centred).flatten(-2)     # an all-equal group: exactly 0
+    # K > 1: centred in its group (an all-equal group exactly 0); K = 1: the reward itself
+    centred = group_advantages(rewards.reshape(-1), K, scale_rewards="none", singleton="reward").reshape(rewards.shape)
     total = weights.sum(-1, keepdim=True)
     mean = (weights * centred).sum(-1, keepdim=True) / total
     std = ((weights * (centred - mean) ** 2).sum(-1, keepdim=True) / (total - 1)).sqrt()
@@ -416,10 +414,10 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str =
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or per_token.ndim != 2 \
-            or per_token.shape[0] != mask.shape[0] or per_token.shape[1] not in (1, mask.shape[1]):
-        raise ValueError(f"per_token must be (B, T) or (B, 1) with mask (B, T); got {tuple(per_token.shape)} "
-                         f"and {tuple(getattr(mask, 'shape', ()))}")
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or not isinstance(per_token, torch.Tensor) \
+            or per_token.ndim != 2 or per_token.shape[0] != mask.shape[0] or per_token.shape[1] not in (1, mask.shape[1]):
+        raise ValueError(f"per_token must be (B, T) or (B, 1) with mask (B, T); got "
+                         f"{tuple(getattr(per_token, 'shape', ()))} and {tuple(getattr(mask, 'shape', ()))}")
     mask = as_mask(mask, torch.empty(mask.shape, device=per_token.device))
     m = mask.to(per_token.dtype)
     masked = torch.where(mask, per_token.expand_as(m), torch.zeros_like(m))
@@ -493,13 +491,7 @@ def luspo_aggregate(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     Args: ``per_token`` ``(B, T)`` or ``(B, 1)``; ``mask`` ``(B, T)``. Returns a scalar; padding
     is selected away before the sum.
     """
-    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or not isinstance(per_token, torch.Tensor) \
-            or per_token.ndim != 2 or per_token.shape[0] != mask.shape[0] or per_token.shape[1] not in (1, mask.shape[1]):
-        raise ValueError(f"per_token must be (B, T) or (B, 1) with mask (B, T); got "
-                         f"{tuple(getattr(per_token, 'shape', ()))} and {tuple(getattr(mask, 'shape', ()))}")
-    m = as_mask(mask, torch.empty(mask.shape, device=per_token.device))
-    masked = torch.where(m, per_token.expand(m.shape), torch.zeros((), dtype=per_token.dtype, device=per_token.device))
-    return masked.sum(dim=1).mean()
+    return aggregate_loss(per_token, mask, "dr_grpo", max_completion_length=1)
 
 
 VESPO_LOG_W_MIN = -18.420680743952367    # log(1e-8): TRL's lower clamp of VESPO's sequence log-weight

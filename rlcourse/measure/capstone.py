@@ -55,6 +55,7 @@ from rlcourse.measure.coverage import coverage
 from rlcourse.trainers.dpo import DPOConfig, reward_and_kl, train_dpo
 from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
 from rlcourse.trainers.sft import train_sft
+from rlcourse.returns import check_integer
 from rlcourse.runtime import seed_everything
 from rlcourse.stats import t_interval
 
@@ -223,8 +224,7 @@ def _checked(algorithm: str, cfg: CapstoneConfig | None) -> CapstoneConfig:
     cfg = cfg or CapstoneConfig()
     if cfg.budget < cfg.batch:
         raise ValueError(f"budget ({cfg.budget}) must be at least one batch ({cfg.batch})")
-    if isinstance(cfg.updates_per_batch, bool) or not isinstance(cfg.updates_per_batch, int) or cfg.updates_per_batch < 1:
-        raise ValueError(f"updates_per_batch must be an integer >= 1, got {cfg.updates_per_batch!r}")
+    check_integer("updates_per_batch", cfg.updates_per_batch)
     return cfg
 
 

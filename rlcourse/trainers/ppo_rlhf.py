@@ -373,14 +373,18 @@ class PPORLHFTrainer:
         self.value_model.eval()
         return self._log(batch, stats)
 
+    def next_kl_coef(self, kl_coef: float, kl: float) -> float:
+        """The controller's next coefficient after an iteration of ``batch_size`` rollouts whose KL was ``kl``."""
+        c = self.config
+        return adaptive_kl_coef(kl_coef, kl, target=c.target, n_steps=c.batch_size, horizon=c.horizon)
+
     def _log(self, batch: dict, stats: list[dict]) -> dict:
         c = self.config
         row = iteration_metrics(c, batch, stats, self.iteration, self.kl_coef)
         if self.gold_fn is not None:
             row["gold/scores"] = float(torch.as_tensor(self.gold_fn(batch["prompts"], batch["completions"])).mean())
         if c.adap_kl_ctrl:   # the next batch is shaped with the updated coefficient
-            self.kl_coef = adaptive_kl_coef(self.kl_coef, row["objective/kl"], target=c.target,
-                                            n_steps=c.batch_size, horizon=c.horizon)
+            self.kl_coef = self.next_kl_coef(self.kl_coef, row["objective/kl"])
         self.iteration += 1
         self.history.append(row)
         return row

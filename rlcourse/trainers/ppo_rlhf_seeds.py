@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from rlcourse.lm.fast_gpt2 import supports, supports_scalar_head
 from rlcourse.lm.logprobs import sequence_logprobs
-from rlcourse.trainers.ppo_rlhf import (PPOConfig, PPORLHFTrainer, adaptive_kl_coef, advantages_and_returns,
+from rlcourse.trainers.ppo_rlhf import (PPOConfig, PPORLHFTrainer, advantages_and_returns,
                                         disable_dropout, iteration_metrics, kl_shaped_rewards, minibatch_loss)
 from rlcourse.lm.seed_stack import SeedAdam, seed_model, seed_runs, stack_models
 from rlcourse.lm.seed_stack import score_by_seed, seed_copies
@@ -166,8 +166,7 @@ class SeedBatchedPPORLHFTrainer(PPORLHFTrainer):
                 gold = self.seed_golds[s](part["prompts"], part["completions"])
                 row["gold/scores"] = float(torch.as_tensor(gold).mean())
             if c.adap_kl_ctrl:   # each seed's controller reads its own KL, as its solo run's would
-                self.kl_coef[s] = adaptive_kl_coef(self.kl_coef[s], row["objective/kl"], target=c.target,
-                                                   n_steps=B, horizon=c.horizon)
+                self.kl_coef[s] = self.next_kl_coef(self.kl_coef[s], row["objective/kl"])
             self.history[s].append(row)
             rows.append(row)
         self.iteration += 1
