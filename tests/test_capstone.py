@@ -163,3 +163,19 @@ def test_all_pairs_matches_paired_difference_and_holm_resolves_no_more():
     assert [r["p_holm"] for r in rows] == pytest.approx(holm(p)[0])
     # the four far pairs resolve with and without the correction; the two near ties do not after it
     assert {(r["a"], r["b"]) for r in rows if r["resolved_holm"]} == {("A", "C"), ("A", "D"), ("B", "C"), ("B", "D")}
+
+
+def test_cell_coverage_is_measured_before_and_after_training_only():
+    """pass@k by (target, first digit) from a separate draw: in the first and last rows, absent along the way,
+    and it leaves the other metrics' samples alone."""
+    cfg = CapstoneConfig(budget=128, eval_points=2, final_samples_per_target=4, pass_k=(1, 4),
+                         cell_samples_per_target=16, cell_pass_k=(1, 4, 16, 64))
+    curve = run("RLOO", 0, cfg)["curve"]
+    plain = run("RLOO", 0, CapstoneConfig(budget=128, eval_points=2, final_samples_per_target=4, pass_k=(1, 4)))["curve"]
+    for row in (curve[0], curve[-1]):
+        cells = [row[f"cell_pass@{k}"] for k in (1, 4, 16)]
+        assert "cell_pass@64" not in row and cells == sorted(cells) and 0.0 < cells[0] < cells[-1] <= 1.0
+    assert not any(key.startswith("cell_") for key in curve[1])
+    for row, other in zip(curve, plain):
+        assert {k: v for k, v in row.items() if not k.startswith("cell_") and k != "seconds"} == \
+               {k: v for k, v in other.items() if k != "seconds"}

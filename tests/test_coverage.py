@@ -71,3 +71,42 @@ def test_coverage_by_hand():
         coverage(["a", "a", "b"], ["x", "y", "z"], [True] * 3)
     with pytest.raises(ValueError, match="one entry each"):
         coverage(["a"], ["x", "y"], [True])
+
+
+def test_pass_at_k_by_cell_by_hand_and_against_per_cell_pass_at_k():
+    """Two prompts split into cells by first letter; every cell listed counts, also the ones never hit."""
+    from rlcourse.measure.coverage import pass_at_k_by_cell
+
+    prompts = ["a"] * 4 + ["b"] * 4
+    completions = ["x1", "x2", "y1", "x3", "u1", "v1", "w1", "u2"]
+    valid = [True, True, True, False, True, False, True, True]
+    cells = {"a": ["x", "y", "z"], "b": ["u", "w"]}
+    out = pass_at_k_by_cell(prompts, completions, valid, cells, lambda c: c[0], ks=(1, 2, 4))
+    # (a, x): 2 of 4 right and in x; (a, y): 1; (a, z): 0; (b, u): 2; (b, w): 1. v1 is wrong: no cell.
+    hits = [2, 1, 0, 2, 1]
+    for k in (1, 2, 4):
+        assert out[f"pass@{k}"] == pytest.approx(sum(pass_at_k(4, c, k) for c in hits) / 5)
+    assert out["cells"] == 5
+    # one cell per prompt holding every right answer: the plain pass@k of coverage()
+    whole = pass_at_k_by_cell(prompts, completions, valid, {"a": ["*"], "b": ["*"]}, lambda c: "*", ks=(1, 2))
+    plain = coverage(prompts, completions, valid, ks=(1, 2))
+    assert whole["pass@1"] == pytest.approx(plain["pass@1"]) and whole["pass@2"] == pytest.approx(plain["pass@2"])
+    with pytest.raises(ValueError, match="missing"):
+        pass_at_k_by_cell(prompts, completions, valid, {"a": ["x"]}, lambda c: c[0])
+    with pytest.raises(ValueError, match="same number"):
+        pass_at_k_by_cell(["a", "a", "b"], ["x", "y", "z"], [True] * 3, {"a": ["x"], "b": ["z"]}, lambda c: c)
+    with pytest.raises(ValueError, match="at least one cell"):
+        pass_at_k_by_cell(["a"], ["x"], [True], {"a": []}, lambda c: c)
+
+
+def test_digit_sum_first_digits_by_enumeration():
+    """The digits a right answer can begin with, against every 4-digit string."""
+    from rlcourse.tasks import DigitSumTask
+
+    task = DigitSumTask()
+    for prompt in task.test_prompts():
+        s = task.target(prompt)
+        brute = sorted({a[0] for a in map("".join, product("0123456789", repeat=4)) if sum(map(int, a)) == s})
+        assert task.first_digits(prompt) == brute
+    assert task.first_digits("S=34:") == ["7", "8", "9"] and task.first_digits("S=00:") == ["0"]
+    assert sum(len(task.first_digits(p)) for p in task.test_prompts()) == 280

@@ -51,7 +51,7 @@ import torch
 
 from rlcourse.tasks import DigitSumTask
 from rlcourse.lm import load_checkpoint, sample
-from rlcourse.measure.coverage import coverage
+from rlcourse.measure.coverage import coverage, pass_at_k_by_cell
 from rlcourse.trainers.dpo import DPOConfig, reward_and_kl, train_dpo
 from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
 from rlcourse.trainers.sft import train_sft
@@ -96,6 +96,8 @@ class CapstoneConfig:
     eval_samples_per_target: int = 4    # samples per target at the evaluations along the way
     final_samples_per_target: int = 4   # ... before training and after the budget (lesson 12: 16, ci 8)
     pass_k: tuple = (1, 4, 16)      # pass@k reported for each k <= the samples per target
+    cell_samples_per_target: int = 0    # before and after training, a separate draw for pass@k by cell (0: none)
+    cell_pass_k: tuple = (1, 4, 16, 64)  # pass@k by (target, first digit) for each k <= cell_samples_per_target
     checkpoint: str = "digitsum-sft"
 
 
@@ -114,8 +116,28 @@ def _evaluate(model, ref, tokenizer, task, cfg: CapstoneConfig, seed: int, final
     valid = [task.is_valid(p, c) for p, c in zip(prompts, roll.completions)]
     cover = coverage(prompts, roll.completions, valid, ks=[k for k in cfg.pass_k if k <= n])
     cover.pop("valid_answers")
+    if final and cfg.cell_samples_per_target:
+        cover.update(_cell_coverage(model, tokenizer, task, cfg, seed))
     return {"validity": validity, "kl": kl, "distinct": task.distinct_valid(prompts, roll.completions),
             "samples_per_target": n, **cover}
+
+
+def _cell_coverage(model, tokenizer, task, cfg: CapstoneConfig, seed: int) -> dict:
+    """``cell_pass@k``: pass@k by (target, first digit) from ``cell_samples_per_target`` fresh samples per target.
+
+    A (target, d) problem is solved by a sample that is valid and begins with d; every digit that can
+    begin a right answer is a problem (:func:`rlcourse.measure.coverage.pass_at_k_by_cell`). Its own
+    generator, so the other metrics' samples are those drawn without it.
+    """
+    n = cfg.cell_samples_per_target
+    prompts = task.test_prompts() * n
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(20_000 + seed)
+    roll = sample(model, tokenizer, prompts, task.max_new_tokens, generator=gen)
+    valid = [task.is_valid(p, c) for p, c in zip(prompts, roll.completions)]
+    cells = {p: task.first_digits(p) for p in set(prompts)}
+    out = pass_at_k_by_cell(prompts, roll.completions, valid, cells, lambda c: c[:1],
+                            ks=[k for k in cfg.cell_pass_k if k <= n])
+    return {f"cell_{key}": value for key, value in out.items() if key != "cells"}
 
 
 def _pg_config(name, cfg, seed) -> PolicyGradientConfig:

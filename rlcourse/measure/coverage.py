@@ -12,6 +12,11 @@ many right answers:
   that repeats one right answer scores 1/c, one whose c right answers all differ scores 1. Unlike
   "the number of distinct valid answers" it is not capped by validity: a half-valid policy and a
   fully valid one can both score 1.
+* **pass@k by cell**: when almost every prompt is solved within k samples, pass@k saturates and
+  cannot show a policy losing reach. A harder question splits each prompt's right answers into
+  cells (for an answer of digits, by its first digit) and asks, cell by cell, whether k samples
+  hold a right answer *in that cell*. A policy that piles its mass on a few cells can beat its
+  start at k = 1 and fall behind it at large k.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from collections import defaultdict
 
 import numpy as np
 
-__all__ = ["pass_at_k", "coverage"]
+__all__ = ["pass_at_k", "coverage", "pass_at_k_by_cell"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -69,4 +74,40 @@ def coverage(prompts: list[str], completions: list[str], valid: list[bool], ks=(
     n_valid = sum(len(v) for v in right.values())
     out["distinct_among_valid"] = (sum(len(set(v)) for v in right.values()) / n_valid) if n_valid else math.nan
     out["valid_answers"] = n_valid
+    return out
+
+
+def pass_at_k_by_cell(prompts: list[str], completions: list[str], valid: list[bool], cells: dict,
+                      cell_of, ks=(1,)) -> dict:
+    """pass@k where a problem is a (prompt, cell) and a sample solves it when it is right and in the cell.
+
+    ``cells`` maps each prompt to the cells its right answers can fall in (every one counts, also
+    those no sample reached); ``cell_of(completion)`` names a completion's cell. For the (prompt, cell)
+    with n samples of which c are right and in the cell, :func:`pass_at_k` gives ``1 - C(n-c, k)/C(n, k)``,
+    unbiased for ``1 - (1 - p_cell)^k``; the result is its mean over all (prompt, cell) problems, one
+    key ``"pass@k"`` per k, and ``"cells"``, their number. Every prompt needs the same n >= max(ks).
+    """
+    if not len(prompts) == len(completions) == len(valid):
+        raise ValueError(f"prompts, completions and valid must have one entry each, got "
+                         f"{len(prompts)}, {len(completions)}, {len(valid)}")
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    missing = sorted(set(prompts) - set(cells))
+    if missing:
+        raise ValueError(f"cells must list the cells of every prompt; missing {missing[:3]}")
+    count: dict[str, int] = defaultdict(int)
+    hits: dict[tuple, int] = defaultdict(int)
+    for p, c, ok in zip(prompts, completions, valid):
+        count[p] += 1
+        if ok:
+            hits[p, cell_of(c)] += 1
+    sizes = set(count.values())
+    if len(sizes) != 1:
+        raise ValueError(f"every prompt needs the same number of samples, got counts {sorted(sizes)}")
+    n = sizes.pop()
+    problems = [(p, cell) for p in count for cell in cells[p]]
+    if not problems:
+        raise ValueError("cells must give at least one cell for some prompt")
+    out = {f"pass@{k}": sum(pass_at_k(n, hits[problem], k) for problem in problems) / len(problems) for k in ks}
+    out["cells"] = len(problems)
     return out

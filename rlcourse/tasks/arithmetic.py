@@ -216,6 +216,10 @@ class DigitSumTask:
         return torch.tensor([float(self.is_valid(p, c)) for p, c in zip(prompts, completions)],
                             dtype=torch.float32)
 
+    def first_digits(self, prompt: str) -> list[str]:
+        """The digits a right answer to ``prompt`` can begin with (``"S=34:"``: ``["7", "8", "9"]``)."""
+        return sorted({answer[0] for answer in self._by_sum[self.target(prompt)]})
+
     def distinct_valid(self, prompts: list[str], completions: list[str]) -> float:
         """Mean over distinct prompts of the number of *different* valid answers given to it.
 
