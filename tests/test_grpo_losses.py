@@ -121,3 +121,71 @@ def test_cispo_keeps_gradients_of_clipped_tokens_and_clip_fractions():
     fr = clip_fractions(ratio, adv, mask, 0.2)
     assert fr["clip_ratio/low_mean"] == 0.0
     assert fr["clip_ratio/high_mean"] == pytest.approx(float(((ratio > 1.2) * mask).sum() / mask.sum()))
+
+
+# ---------------------------------------------------------------- several reward functions (lesson 10b, GDPO)
+def _gdpo_oracle(table, K, weights, floor=1e-4):
+    """GDPO written out in float64 NumPy: each column normalised in its group, summed, then one batch scale."""
+    import numpy as np
+    R = np.asarray(table, dtype=float).reshape(-1, K, table.shape[1])
+    mean, std = R.mean(1, keepdims=True), R.std(1, ddof=1, keepdims=True)
+    per = np.where(std == 0, 0.0, (R - mean) / (std + floor)).reshape(-1, table.shape[1])
+    s = per @ np.asarray(weights, dtype=float)
+    return np.zeros_like(s) if np.all(s == s[0]) else (s - s.mean()) / (s.std(ddof=1) + floor)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_multi_objective_advantages_against_their_closed_forms(seed):
+    import numpy as np
+    from rlcourse.losses import multi_objective_advantages
+    gen = torch.Generator().manual_seed(seed)
+    K, F = 4, 3
+    table = torch.randint(0, 3, (6 * K, F), generator=gen).double() * torch.tensor([1.0, 10.0, 0.5], dtype=torch.float64)
+    table[:K, 1] = 7.0                                          # one function constant in the first group
+    weights = torch.rand(F, generator=gen, dtype=torch.float64) * 2
+    for scale in ("group", "batch", "none"):
+        summed = multi_objective_advantages(table, K, weights, scale_rewards=scale)
+        assert torch.allclose(summed, group_advantages(table @ weights, K, scale), atol=1e-12)
+    got = multi_objective_advantages(table, K, weights, multi_objective_aggregation="normalize_then_sum")
+    assert np.allclose(got.numpy(), _gdpo_oracle(table.numpy(), K, weights.numpy()), atol=1e-10)
+    # each function's scale is normalised away (up to the floor); the weights are not
+    rescaled = multi_objective_advantages(table * torch.tensor([3.0, 0.01, 50.0], dtype=torch.float64), K, weights,
+                                          multi_objective_aggregation="normalize_then_sum")
+    assert float((rescaled - got).abs().max()) < 1e-2
+    reweighted = multi_objective_advantages(table, K, weights * torch.tensor([1.0, 5.0, 1.0], dtype=torch.float64),
+                                            multi_objective_aggregation="normalize_then_sum")
+    assert float((reweighted - got).abs().max()) > 0.1
+    # scale_rewards is not read on the GDPO path (TRL 1.16 ignores it too)
+    assert torch.equal(got, multi_objective_advantages(table, K, weights, multi_objective_aggregation="normalize_then_sum",
+                                                       scale_rewards="none"))
+
+
+def test_gdpo_keeps_combinations_apart_that_the_sum_merges():
+    """Two 0/1 rewards: (1, 0) and (0, 1) sum to the same value; normalised first they do not (GDPO's Figure 2)."""
+    from rlcourse.losses import multi_objective_advantages
+    table = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 0.0]])
+    summed = multi_objective_advantages(table, 4)
+    decoupled = multi_objective_advantages(table, 4, multi_objective_aggregation="normalize_then_sum")
+    assert summed[0] == summed[1] and decoupled[0] != decoupled[1]
+    assert len(set(summed.tolist())) == 2 and len(set(decoupled.tolist())) == 3
+    # a function constant in every group adds exactly nothing; all functions constant: exactly 0
+    with_constant = multi_objective_advantages(torch.cat([table, torch.full((4, 1), 0.3)], 1), 4,
+                                               multi_objective_aggregation="normalize_then_sum")
+    assert torch.equal(with_constant, decoupled)
+    assert torch.equal(multi_objective_advantages(torch.full((8, 2), 0.7), 4, multi_objective_aggregation="normalize_then_sum"),
+                       torch.zeros(8))
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((torch.ones(8), 4), {}, r"rewards_per_func must be a \(B, F\) table"),
+    ((torch.ones(8, 0), 4), {}, r"rewards_per_func must be a \(B, F\) table"),
+    ((torch.ones(8, 2), 4, [1.0]), {}, "reward_weights must hold one finite weight"),
+    ((torch.ones(8, 2), 4, [1.0, float("nan")]), {}, "reward_weights must hold one finite weight"),
+    ((torch.ones(8, 2), 4), {"multi_objective_aggregation": "sum"}, "multi_objective_aggregation must be one of"),
+    ((torch.ones(9, 2), 4), {"multi_objective_aggregation": "normalize_then_sum"}, "not a multiple of num_generations"),
+    ((torch.tensor([[1.0, float("inf")]] * 4), 4), {"multi_objective_aggregation": "normalize_then_sum"}, "finite"),
+])
+def test_multi_objective_advantages_refuse_bad_input(args, kwargs, match):
+    from rlcourse.losses import multi_objective_advantages
+    with pytest.raises(ValueError, match=match):
+        multi_objective_advantages(*args, **kwargs)

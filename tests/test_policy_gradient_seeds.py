@@ -201,6 +201,34 @@ def test_a_batched_seed_follows_the_single_seed_run_step_by_step(checkpoint):
         assert cosine > 0.999
 
 
+def test_gdpo_and_the_entropy_controller_are_each_seeds_own(checkpoint):
+    """Lesson 10b's settings: normalise-then-sum over two reward functions and the adaptive entropy controller,
+    batched, follow each seed's single-seed run: the same draws, the same coefficients, the same updates."""
+    from rlcourse.tasks.verifiers import RewardedTask
+    model, tok = checkpoint
+    task = AdditionTask()
+
+    def exact(prompts, completions, **kwargs):
+        return task.reward(prompts, completions, kind="exact").tolist()
+
+    def partial(prompts, completions, **kwargs):
+        return task.reward(prompts, completions, kind="partial").tolist()
+
+    config = dict(per_device_train_batch_size=16, num_generations=4, num_iterations=2, learning_rate=3e-4,
+                  multi_objective_aggregation="normalize_then_sum", use_adaptive_entropy=True, entropy_target=5.0,
+                  entropy_coef_delta=0.02)
+    rewarded = RewardedTask(task, [exact, partial], [1.0, 0.5])
+    batched = SeedBatchedPolicyGradientTrainer(model, tok, rewarded, PolicyGradientConfig(**config), num_seeds=3)
+    batched.train(3, progress=False)
+    for s in range(3):
+        alone = PolicyGradientTrainer(copy.deepcopy(model), tok, copy.deepcopy(rewarded), PolicyGradientConfig(seed=s, **config))
+        alone.train(3, progress=False)
+        assert [m["reward"] for m in alone.history] == [m["reward"] for m in batched.history[s]]
+        assert [m["entropy_coef"] for m in alone.history] == pytest.approx([m["entropy_coef"] for m in batched.history[s]])
+        assert batched.history[s][-1]["entropy_coef"] == pytest.approx(0.12)     # 6 optimiser steps of 0.02
+        assert update_cosine(model, alone.model, batched.model_of(s)) > 0.999
+
+
 def test_seeds_never_mix(checkpoint):
     """A change to seed 0's weights leaves every other seed's next step as it was."""
     model, tok = checkpoint

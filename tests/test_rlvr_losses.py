@@ -198,3 +198,77 @@ def test_a_buffer_longer_than_the_budget_is_refused_when_the_trainer_is_built(fi
                                                                **settings))
     build(model, tokenizer, task, PolicyGradientConfig(per_device_train_batch_size=16, num_generations=4,
                                                        overlong_buffer_len=5))      # C = L: allowed
+
+
+# ---------------------------------------------------------------- adaptive entropy control (Skywork-OR1, TRL 1.16)
+def test_adaptive_entropy_coef_steps_towards_the_target_within_its_bounds():
+    from rlcourse.losses.rlvr import adaptive_entropy_coef, applied_entropy_coef
+    settings = dict(entropy_target=1.0, entropy_coef_delta=0.25, entropy_coef_min=0.1, entropy_coef_max=0.6)
+    coef, seen = 0.1, []
+    for entropy in (0.5, 0.5, 1.0, 0.9, 0.2, 1.5, 1.5, 1.5, 3.0):     # at the target counts as below
+        coef = adaptive_entropy_coef(coef, entropy, **settings)
+        seen.append(coef)
+    assert seen == pytest.approx([0.35, 0.6, 0.6, 0.6, 0.6, 0.35, 0.1, 0.1, 0.1])
+    assert adaptive_entropy_coef(0.0, 0.1) == 0.005 and adaptive_entropy_coef(0.0, 0.3) == 0.0   # TRL's defaults
+    # applied only at or below the target; never before the first measurement
+    assert applied_entropy_coef(0.4, 0.7, 0.7) == 0.4 and applied_entropy_coef(0.4, 0.71, 0.7) == 0.0
+    assert applied_entropy_coef(0.4, float("inf"), 0.7) == 0.0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(entropy_coef_delta=-0.1), "entropy_coef_delta must be >= 0"),
+    (dict(entropy_coef_min=0.5, entropy_coef_max=0.1), "entropy_coef_min <= entropy_coef_max"),
+    (dict(entropy_target=float("nan")), "entropy_target must be a finite number"),
+])
+def test_adaptive_entropy_coef_refuses_bad_settings(kwargs, match):
+    from rlcourse.losses.rlvr import adaptive_entropy_coef
+    with pytest.raises(ValueError, match=match):
+        adaptive_entropy_coef(0.1, 0.5, **kwargs)
+    with pytest.raises(ValueError, match="entropy must be a finite number"):
+        adaptive_entropy_coef(0.1, float("nan"))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(use_adaptive_entropy=True, entropy_coef_delta=-1.0), "use_adaptive_entropy needs entropy_coef_delta >= 0"),
+    (dict(use_adaptive_entropy=True, entropy_coef_min=1.0, entropy_coef_max=0.5), "entropy_coef_min <= entropy_coef_max"),
+    (dict(use_adaptive_entropy=True, loss_type="rloo", advantage_estimator="rloo"), "no adaptive entropy"),
+    (dict(multi_objective_aggregation="mean"), "multi_objective_aggregation must be one of"),
+    (dict(multi_objective_aggregation="normalize_then_sum", advantage_estimator="rloo"), "advantage_estimator='grpo'"),
+    (dict(multi_objective_aggregation="normalize_then_sum", overlong_buffer_len=2), "overlong_buffer_len"),
+    (dict(multi_objective_aggregation="normalize_then_sum", beta=0.1, kl_in_reward=True), "kl_in_reward"),
+])
+def test_config_refuses_bad_lesson_10b_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PolicyGradientConfig(**kwargs)
+
+
+def test_the_trainer_runs_the_controller_on_the_entropy_its_loss_measured(monkeypatch):
+    """Each optimiser step applies the coefficient gated on the previous step's entropy, then updates it from
+    this step's: replayed from the trainer's own log, and the loss carries exactly that bonus."""
+    from rlcourse.losses.rlvr import adaptive_entropy_coef, applied_entropy_coef
+    from rlcourse.tasks import AdditionTask
+    model, tokenizer = load_checkpoint("addition-partial", device="cpu")
+    settings = dict(entropy_target=5.0, entropy_coef_delta=0.02, entropy_coef_max=0.05, entropy_coef=0.01)
+    config = PolicyGradientConfig(per_device_train_batch_size=16, num_generations=4, num_iterations=2,
+                                  use_adaptive_entropy=True, **settings)
+    trainer = PolicyGradientTrainer(model, tokenizer, AdditionTask(), config)
+    applied, measured = [], []
+    real = policy_gradient.loss_and_stats
+
+    def spy(config, logits, logp, b, max_len, entropy_coef=None):
+        loss, stats = real(config, logits, logp, b, max_len, entropy_coef=entropy_coef)
+        plain, _ = real(config, logits, logp, b, max_len, entropy_coef=0.0)
+        applied.append(entropy_coef)
+        measured.append(stats["entropy_bonus/entropy"])
+        assert float((plain - loss).detach()) == pytest.approx(entropy_coef * stats["entropy_bonus/entropy"], rel=1e-5, abs=1e-9)
+        return loss, stats
+
+    monkeypatch.setattr(policy_gradient, "loss_and_stats", spy)
+    trainer.train(3, progress=False)
+    coef, last, expected = 0.01, float("inf"), []
+    for entropy in measured:
+        expected.append(applied_entropy_coef(coef, last, 5.0))
+        coef, last = adaptive_entropy_coef(coef, entropy, entropy_target=5.0, entropy_coef_delta=0.02,
+                                           entropy_coef_max=0.05), entropy
+    assert len(applied) == 6 and applied == pytest.approx(expected) and applied[0] == 0.0 and applied[-1] == 0.05
+    assert [m["entropy_coef"] for m in trainer.history] == pytest.approx([0.05, 0.05, 0.05])

@@ -73,3 +73,35 @@ def test_per_seed_series_reads_a_metric_and_leaves_nan_where_it_is_missing():
     history = [[{"reward": 0.1}, {"reward": 0.3}], [{"reward": 0.2}, {}]]
     got = per_seed_series(history, "reward")
     assert got.shape == (2, 2) and got[0].tolist() == [0.1, 0.3] and got[1, 0] == 0.2 and np.isnan(got[1, 1])
+
+
+def test_batch_drift_is_each_seeds_change_of_its_own_batch(two_models):
+    """After one step with two updates per batch, batch_drift equals each seed's own model (copied out of the
+    stack) scored on its rows of the batch, minus the log-probs the batch was sampled with, averaged by group."""
+    from rlcourse.lm.logprobs import sequence_logprobs
+    from rlcourse.measure.rlvr_runs import DRIFT_GROUPS, batch_drift
+    from rlcourse.trainers.policy_gradient import PolicyGradientConfig
+    from rlcourse.trainers.policy_gradient_seeds import SeedBatchedPolicyGradientTrainer
+    first, _, tokenizer = two_models
+    config = PolicyGradientConfig(per_device_train_batch_size=32, num_generations=8, num_iterations=2, learning_rate=3e-4)
+    trainer = SeedBatchedPolicyGradientTrainer(first, tokenizer, AdditionTask(), config, num_seeds=2)
+    with pytest.raises(ValueError, match="num_iterations > 1"):
+        batch_drift(trainer)
+    trainer.step()
+    got = batch_drift(trainer, rare_below=0.5, likely_above=0.5)
+    assert got.shape == (2, len(DRIFT_GROUPS))
+    b = trainer.last_batch
+    for s in range(2):
+        rows = slice(32 * s, 32 * (s + 1))
+        with torch.no_grad():
+            new = sequence_logprobs(trainer.model_of(s), b.prompt_ids[rows], b.completion_ids[rows],
+                                    b.loss_mask[rows], b.prompt_mask[rows]).double()
+        old, mask, adv = b.old_logprobs[rows].double(), b.loss_mask[rows].bool(), b.advantages[rows]
+        p = old.exp()
+        groups = [mask & (p >= 0.5), mask & (p < 0.5) & (adv[:, None] > 0), mask & (p < 0.5) & (adv[:, None] < 0)]
+        for j, keep in enumerate(groups):
+            assert bool(keep.any()), (s, j)
+            assert got[s, j] == pytest.approx(float((new - old)[keep].mean()), abs=1e-4), (s, j)
+    assert np.all(np.abs(got) > 1e-4)                          # the step moved every group
+    with pytest.raises(ValueError, match="rare_below <= likely_above"):
+        batch_drift(trainer, rare_below=0.7, likely_above=0.5)

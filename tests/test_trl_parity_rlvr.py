@@ -1,6 +1,7 @@
 """Parity with TRL 1.16 for lesson 10b's knobs: ``top_entropy_quantile``, ``entropy_coef``,
 ``mask_truncated_completions`` (with the ``completions/clipped_ratio`` it logs), weighted
-``reward_funcs`` and the soft overlong punishment. TRL's own code is run on fixed inputs, not copied.
+``reward_funcs`` and the soft overlong punishment, ``multi_objective_aggregation`` (GDPO) and
+``use_adaptive_entropy``. TRL's own code is run on fixed inputs, not copied.
 
 The loss cases hand one fixed batch (:func:`rlcourse.interop.trl_parity.fixed_completion_batch`: ragged
 completions, some cut at the maximum length, ratios on both sides of the clip) to
@@ -60,13 +61,13 @@ def _trl_loss(trainer, b: dict, completion_mask=None):
     return loss.detach(), flat_grad(trainer.model)
 
 
-def _our_loss(model, b: dict, config: PolicyGradientConfig, completion_mask=None):
+def _our_loss(model, b: dict, config: PolicyGradientConfig, completion_mask=None, entropy_coef=None):
     mask = b["completion_mask"] if completion_mask is None else completion_mask
     batch = _Batch(b["prompt_ids"], b["prompt_mask"], b["completion_ids"], mask, advantages=b["advantages"],
                    old_logprobs=b["old"] * mask, ref_logprobs=b["ref"] * mask)
     model.zero_grad(set_to_none=True)
     logits, logp = logits_and_logprobs(model, batch, config.temperature)
-    loss, stats = loss_and_stats(config, logits, logp, batch, MAX_LEN)
+    loss, stats = loss_and_stats(config, logits, logp, batch, MAX_LEN, entropy_coef=entropy_coef)
     loss.backward()
     return loss.detach(), flat_grad(model), stats
 
@@ -199,3 +200,92 @@ def test_overlong_penalty_matches_trls_soft_overlong_punishment(max_len, buffer)
     trl_reward = get_soft_overlong_punishment(max_completion_len=max_len, soft_punish_cache=buffer)
     expected = torch.tensor(trl_reward([[7] * n for n in lengths]), dtype=torch.float32)
     assert torch.allclose(overlong_penalty(torch.tensor(lengths), max_len, buffer), expected, atol=1e-7, rtol=0)
+
+
+# ---------------------------------------------------------------- GDPO: multi_objective_aggregation
+def _two_rewards(trainer, monkeypatch, weights):
+    """Two reward functions on different scales (a length, and a 1 / -0.5 mark), installed in TRL's trainer."""
+    def length(prompts, completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    def ends_in_one(prompts, completions, **kwargs):
+        return [1.0 if c.endswith("1") else -0.5 for c in completions]
+
+    monkeypatch.setattr(trainer, "reward_funcs", [length, ends_in_one])
+    monkeypatch.setattr(trainer, "reward_func_names", ["length", "ends_in_one"])
+    monkeypatch.setattr(trainer, "reward_processing_classes", [None, None])
+    monkeypatch.setattr(trainer, "reward_weights", torch.tensor(weights))
+    return [length, ends_in_one]
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_multi_objective_aggregation_matches_trl(setup, monkeypatch, aggregation, scale_rewards):
+    """TRL's advantages from two weighted reward functions, summed then normalised or normalised then summed
+    (GDPO), equal :func:`rlcourse.losses.multi_objective_advantages` on the same rewards and our trainer's own
+    ``make_batch`` with a RewardedTask of the same functions."""
+    from rlcourse.losses import multi_objective_advantages
+    from rlcourse.tasks.verifiers import RewardedTask
+    trainer, b, tokenizer, rows = setup["trainer"], setup["batch"], setup["tokenizer"], setup["rows"]
+    weights = [0.3, 2.0]
+    funcs = _two_rewards(trainer, monkeypatch, weights)
+    monkeypatch.setattr(trainer, "multi_objective_aggregation", aggregation)
+    monkeypatch.setattr(trainer, "scale_rewards", scale_rewards)
+    set_trl_grpo_loss(trainer, "dapo", beta=0.0)
+    expected = _trl_scored(trainer, rows, b, tokenizer)["advantages"].double()
+    texts = tokenizer.batch_decode([ids[m.bool()].tolist() for ids, m in zip(b["completion_ids"], b["completion_mask"])],
+                                   skip_special_tokens=True)
+    _, parts = combine_rewards(funcs, rows, texts, weights)
+    table = torch.stack(list(parts.values()), dim=1)
+    ours = multi_objective_advantages(table, K, weights, multi_objective_aggregation=aggregation, scale_rewards=scale_rewards)
+    assert torch.allclose(ours.double(), expected, atol=1e-6, rtol=0)
+    assert expected.abs().max() > 0.1
+
+    roll = _fixed_rollout(b, rows, tokenizer)
+    roll.completions = texts
+    monkeypatch.setattr(policy_gradient, "sample", lambda *args, **kwargs: roll)
+    config = _config("dapo", 0.0, scale_rewards=scale_rewards, multi_objective_aggregation=aggregation)
+    batch = PolicyGradientTrainer(trainer.model, tokenizer, RewardedTask(_FixedTask(), funcs, weights), config).make_batch()
+    assert torch.allclose(batch.advantages.double(), expected, atol=1e-6, rtol=0)
+
+
+def test_the_two_aggregations_differ_on_these_rewards(setup, monkeypatch):
+    from rlcourse.losses import multi_objective_advantages
+    table = torch.tensor([[float(n), 1.0 if n % 3 == 0 else -0.5] for n in range(16)])
+    a = multi_objective_advantages(table, K, [0.3, 2.0])
+    b = multi_objective_advantages(table, K, [0.3, 2.0], multi_objective_aggregation="normalize_then_sum")
+    assert (a - b).abs().max() > 0.1
+
+
+# ---------------------------------------------------------------- adaptive entropy control
+def test_adaptive_entropy_control_matches_trl_step_by_step(setup, monkeypatch):
+    """TRL's ``compute_loss`` with ``use_adaptive_entropy``, called once per optimiser step on the fixed batch
+    while the target moves above and below the batch's entropy, against our loss with the controller's
+    coefficient (:func:`~rlcourse.trainers.policy_gradient.entropy_coef_now` / ``entropy_coef_after``): the same
+    loss and gradient at every step, and the same coefficient after it."""
+    from rlcourse.trainers.policy_gradient import entropy_coef_after, entropy_coef_now
+    trainer, b = setup["trainer"], setup["batch"]
+    set_trl_grpo_loss(trainer, "dapo", beta=0.0, epsilon=0.2, epsilon_high=0.28)
+    _set_entropy_knobs(trainer, monkeypatch, 0.5, 0.07)
+    monkeypatch.setattr(trainer, "use_adaptive_entropy", True)
+    monkeypatch.setattr(trainer, "_entropy_bonus_enabled", True)
+    monkeypatch.setattr(trainer, "_last_world_entropy", float("inf"))
+    monkeypatch.setattr(trainer, "_entropy_window_stats", None)
+    for name, value in (("entropy_coef_delta", 0.03), ("entropy_coef_min", 0.01), ("entropy_coef_max", 0.12)):
+        monkeypatch.setattr(trainer.args, name, value)
+    coef, last = 0.07, float("inf")
+    seen = []
+    for target in (10.0, 10.0, 10.0, 0.0, 0.0, 10.0, 0.0, 0.0, 0.0):
+        monkeypatch.setattr(trainer.args, "entropy_target", target)
+        expected_loss, expected_grad = _trl_loss(trainer, b)
+        config = _config("dapo", 0.0, 0.5, 0.07, use_adaptive_entropy=True, entropy_target=target, entropy_coef_delta=0.03,
+                         entropy_coef_min=0.01, entropy_coef_max=0.12)
+        applied = entropy_coef_now(config, coef, last)
+        loss, grad, stats = _our_loss(trainer.model, b, config, entropy_coef=applied)
+        assert torch.allclose(loss, expected_loss, atol=1e-6, rtol=0), (target, loss.item(), expected_loss.item())
+        assert torch.allclose(grad, expected_grad, atol=1e-6, rtol=1e-5)
+        coef, last = entropy_coef_after(config, coef, last, stats)
+        assert coef == pytest.approx(trainer.entropy_coef, abs=1e-12) and last == pytest.approx(trainer._last_world_entropy)
+        seen.append((applied, coef))
+    # the run visits both branches, both bounds, and the gate (a step with the bonus off)
+    assert {c for _, c in seen} >= {0.12, 0.01} and 0.0 in {a for a, _ in seen} and any(a > 0 for a, _ in seen)

@@ -50,6 +50,36 @@ def test_every_short_string_is_judged_as_the_oracle_reads_it(prompt, alphabet):
     assert counts["lenient"] > counts["answer"] >= counts["strict"]
 
 
+def credit_oracle(completion: str, target: str) -> float:
+    """Partial credit by place value: pad both numbers on the left to one width and count the places that
+    agree (a pad never agrees); an unparsable completion scores 0."""
+    parsed = oracle(completion, target, TASK.budget)["extract"]
+    if parsed is None:
+        return 0.0
+    width = max(len(parsed), len(target))
+    a, b = parsed.rjust(width, "a"), target.rjust(width, "b")
+    return sum(x == y for x, y in zip(a, b)) / width
+
+
+@pytest.mark.parametrize("prompt,alphabet", [("90+75=", ".1650"), ("12+34=", ".46 0")])
+def test_digit_credit_is_the_share_of_places_right_for_every_short_string(prompt, alphabet):
+    target = TASK.answer(prompt)
+    strings = ["".join(s) for n in range(0, 6) for s in itertools.product(alphabet, repeat=n)]
+    got = V.digit_credit_reward([prompt] * len(strings), strings)
+    for s, credit in zip(strings, got):
+        assert credit == pytest.approx(credit_oracle(s, target), abs=1e-12), s
+        assert (credit == 1.0) == bool(V.answer_reward([prompt], [s])[0]), s      # only the exact sum scores 1
+    values = set(got)
+    assert 0.0 in values and 1.0 in values and len(values) > 4
+    # the documented cases: a missing place, an extra place, a shifted answer, a leading zero, a bad format
+    assert V.digit_credit_reward(["90+75="] * 6, ["165", "..155", "65", "1650", "0165", "..1.65"]) == \
+        pytest.approx([1.0, 2 / 3, 2 / 3, 0.0, 0.75, 0.0])
+
+
+def test_thinking_cost_is_minus_the_number_of_dots():
+    assert V.thinking_cost(["1+1="] * 4, ["..46", "46", ".....", ".4.6"]) == [-2.0, 0.0, -5.0, -1.0]
+
+
 ADVERSARIAL = ["46\n", " 46", "46 ", "+46", "046", "4_6", "\u0664\u0666", "\uff14\uff16", "46.0", "..46.", "4", "467",
                "....46", "..4.6", "", "...", "46+0", "４6"]
 

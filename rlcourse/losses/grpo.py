@@ -7,9 +7,10 @@ action). ``logprobs``, ``old_logprobs``, ``ref_logprobs`` and ``mask`` are ``(B,
 
 Three steps make every algorithm of the family:
 
-1. an **advantage** per completion from the rewards (:func:`group_advantages`,
-   :func:`leave_one_out_advantages`, :func:`batch_mean_advantages`, :func:`moving_average_baseline`,
-   :func:`remax_advantages`, :func:`reinforce_plus_plus_advantages`);
+1. an **advantage** per completion from the rewards (:func:`group_advantages` and, for several
+   reward functions, :func:`multi_objective_advantages`; :func:`leave_one_out_advantages`,
+   :func:`batch_mean_advantages`, :func:`moving_average_baseline`, :func:`remax_advantages`,
+   :func:`reinforce_plus_plus_advantages`);
 2. a **per-token loss** from the importance ratio and the advantage (:func:`per_token_loss`),
    with the ratio taken per token or per sequence (:func:`importance_weights`, GSPO);
 3. an **aggregation** of the per-token losses into one scalar (:func:`aggregate_loss`): this is
@@ -31,6 +32,8 @@ from rlcourse.losses.policy_gradient import (check_logprobs_mask, importance_rat
 __all__ = [
     "GRPO_LOSS_TYPES",
     "group_advantages",
+    "MULTI_OBJECTIVE_AGGREGATIONS",
+    "multi_objective_advantages",
     "leave_one_out_advantages",
     "batch_mean_advantages",
     "moving_average_baseline",
@@ -127,6 +130,59 @@ def group_advantages(rewards, num_generations: int, scale_rewards: str = "group"
     else:
         return centred.reshape(-1)
     return (centred / (std + std_floor)).reshape(-1)
+
+
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+def multi_objective_advantages(rewards_per_func, num_generations: int, reward_weights=None, *,
+                               multi_objective_aggregation: str = "sum_then_normalize", scale_rewards: str = "group",
+                               std_floor: float = 1e-4) -> torch.Tensor:
+    """GRPO's advantage from several reward functions, shape ``(B,)``: TRL's ``multi_objective_aggregation``.
+
+    With ``R`` the ``(B, F)`` rewards of ``F`` reward functions and ``w`` their ``reward_weights``:
+
+    * ``"sum_then_normalize"`` (TRL's default): ``r_i = sum_k w_k R_ik``, then
+      :func:`group_advantages` of ``r`` with ``scale_rewards``. The objective whose weighted reward
+      varies most within a group sets the advantage; one with a small spread (or a small scale) is
+      drowned;
+    * ``"normalize_then_sum"`` (GDPO, Liu et al., 2026, arXiv 2601.05242): each function first gets
+      its own group advantage, ``Ahat_ik = (R_ik - mean_g(R_k)) / (std_g(R_k) + std_floor)``, then
+      ``s_i = sum_k w_k Ahat_ik``, then one normalisation over the **whole batch**,
+      ``A_i = (s_i - mean(s)) / (std(s) + std_floor)`` (Bessel's correction everywhere, as TRL). Each
+      objective enters with unit spread in every group where it varies, whatever its scale, so
+      ``w`` alone sets the objectives' shares, and multiplying one function's rewards by a positive
+      constant changes nothing (up to the floor). ``scale_rewards`` is not read: TRL 1.16 ignores it
+      on this path too.
+
+    Groups (and batches) whose values are exactly equal get exactly 0, as in :func:`group_advantages`:
+    an objective that is constant within a group adds nothing to that group.
+
+    Args: ``rewards_per_func`` ``(B, F)``, the ``K = num_generations`` completions of a prompt in
+    consecutive rows; ``reward_weights`` ``(F,)`` or None (all 1). Returns ``(B,)``, detached.
+    """
+    if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ValueError(f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}, "
+                         f"got {multi_objective_aggregation!r}")
+    table = torch.as_tensor(rewards_per_func)
+    if table.ndim != 2 or table.shape[0] == 0 or table.shape[1] == 0:
+        raise ValueError(f"rewards_per_func must be a (B, F) table, one column per reward function, got shape "
+                         f"{tuple(table.shape)}")
+    if not table.is_floating_point():
+        table = table.to(torch.get_default_dtype())
+    weights = torch.ones(table.shape[1], dtype=table.dtype) if reward_weights is None else \
+        torch.as_tensor(reward_weights, dtype=table.dtype, device=table.device)
+    if weights.shape != (table.shape[1],) or not bool(torch.isfinite(weights).all()):
+        raise ValueError(f"reward_weights must hold one finite weight per reward function ({table.shape[1]}), "
+                         f"got {reward_weights!r}")
+    if multi_objective_aggregation == "sum_then_normalize":
+        return group_advantages(table @ weights, num_generations, scale_rewards, std_floor)
+    per_func = torch.stack([group_advantages(table[:, k], num_generations, "group", std_floor)
+                            for k in range(table.shape[1])], dim=1)
+    summed = per_func @ weights
+    # one scale for the batch (scale_rewards="batch" with a single group of every row)
+    return group_advantages(summed, summed.numel(), "group", std_floor) if summed.numel() > 1 \
+        else torch.zeros_like(summed)
 
 
 def leave_one_out_advantages(rewards, num_generations: int) -> torch.Tensor:

@@ -4,7 +4,10 @@ which tokens learn (lesson 10b).
 * :func:`overlong_penalty` - DAPO's soft overlong punishment (Yu et al., 2025, arXiv 2503.14476,
   eq. 13), a reward added to each completion by its length;
 * :func:`high_entropy_mask` - the "forking tokens" of Wang et al., 2025 (arXiv 2506.01939): keep only
-  the highest-entropy share of tokens in the policy loss (TRL's ``top_entropy_quantile``).
+  the highest-entropy share of tokens in the policy loss (TRL's ``top_entropy_quantile``);
+* :func:`adaptive_entropy_coef` and :func:`applied_entropy_coef` - Skywork-OR1's adaptive entropy
+  control (He et al., 2025, arXiv 2505.22312; TRL's ``use_adaptive_entropy``): the coefficient of the
+  entropy bonus moves by a fixed step towards holding the entropy at a target.
 
 The entropy bonus that TRL's ``entropy_coef`` multiplies is the mean entropy over the tokens the
 loss acts on, :func:`rlcourse.losses.policy_gradient.entropy_bonus` (lesson 06's, on the logits).
@@ -20,7 +23,7 @@ import torch
 from rlcourse.kl import as_mask
 from rlcourse.returns import check_integer
 
-__all__ = ["overlong_penalty", "high_entropy_mask"]
+__all__ = ["overlong_penalty", "high_entropy_mask", "adaptive_entropy_coef", "applied_entropy_coef"]
 
 
 def overlong_penalty(lengths, max_completion_length: int, overlong_buffer_len: int) -> torch.Tensor:
@@ -77,3 +80,41 @@ def high_entropy_mask(entropies: torch.Tensor, mask, top_entropy_quantile: float
     threshold = torch.quantile(values, 1.0 - rho)
     return (h >= threshold) & m
 
+
+
+def adaptive_entropy_coef(entropy_coef: float, entropy: float, *, entropy_target: float = 0.2,
+                          entropy_coef_delta: float = 0.005, entropy_coef_min: float = 0.0,
+                          entropy_coef_max: float = 1.0) -> float:
+    """One step of Skywork-OR1's entropy controller: the coefficient after an optimiser step, a float.
+
+    With ``c`` the coefficient, ``H`` the mean token entropy measured in this step (over the tokens
+    the bonus acts on), ``H*`` the target and ``delta`` the step::
+
+        c <- min(c + delta, c_max)    if H <= H*      (entropy too low: push harder)
+        c <- max(c - delta, c_min)    otherwise        (entropy high enough: relax)
+
+    A bang-bang controller with a fixed step, as TRL 1.16's ``GRPOTrainer`` runs it once per
+    optimiser step (defaults TRL's: ``entropy_target=0.2``, ``entropy_coef_delta=0.005``, bounds
+    ``[0, 1]``). Whether the coefficient is *applied* is :func:`applied_entropy_coef`'s business.
+    """
+    for name, value in (("entropy_coef", entropy_coef), ("entropy", entropy), ("entropy_target", entropy_target),
+                        ("entropy_coef_delta", entropy_coef_delta)):
+        if not (isinstance(value, (int, float)) and value == value and abs(value) != float("inf")):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if entropy_coef_delta < 0 or not entropy_coef_min <= entropy_coef_max:
+        raise ValueError(f"entropy_coef_delta must be >= 0 and entropy_coef_min <= entropy_coef_max, got "
+                         f"{entropy_coef_delta!r}, [{entropy_coef_min!r}, {entropy_coef_max!r}]")
+    if entropy <= entropy_target:
+        return float(min(entropy_coef + entropy_coef_delta, entropy_coef_max))
+    return float(max(entropy_coef - entropy_coef_delta, entropy_coef_min))
+
+
+def applied_entropy_coef(entropy_coef: float, last_entropy: float, entropy_target: float) -> float:
+    """The coefficient that multiplies the entropy bonus in this step's loss: ``c`` if the entropy measured
+    at the previous optimiser step was at or below the target, else 0.
+
+    The gate is TRL's: above the target the bonus is off whatever ``c`` is, so the controller only
+    ever lifts the entropy back up, never pushes it above the target. Before the first step
+    ``last_entropy`` is ``inf`` (TRL's start): no bonus.
+    """
+    return float(entropy_coef) if last_entropy <= entropy_target else 0.0

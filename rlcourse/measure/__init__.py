@@ -9,7 +9,7 @@ optima of each preference loss (:mod:`~rlcourse.measure.categorical_bandit`,
 (:mod:`~rlcourse.measure.overoptimisation`, lesson 08b) and the length bias of GRPO's aggregation
 (:mod:`~rlcourse.measure.length_bias`, lesson 10). Measurements of trained models: pass@k and
 coverage (:mod:`~rlcourse.measure.coverage`), best-of-n (:mod:`~rlcourse.measure.best_of_n`), the
-draws and per-seed series of lesson 10b (:mod:`~rlcourse.measure.rlvr_runs`) and the capstone's
+draws, per-seed series and batch drift of lesson 10b (:mod:`~rlcourse.measure.rlvr_runs`) and the capstone's
 comparison of every algorithm (:mod:`~rlcourse.measure.capstone`, lesson 12).
 """
 from rlcourse.measure.best_of_n import best_of_n, best_of_n_kl

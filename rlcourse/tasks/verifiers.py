@@ -8,6 +8,10 @@ each can be handed to TRL's ``GRPOTrainer(reward_funcs=...)`` as it is):
 
 * :meth:`FillerVerifiers.format_reward`   1 if the completion is ``\\.{0,budget}[0-9]+``;
 * :meth:`FillerVerifiers.answer_reward`   1 if :func:`extract_answer` finds exactly the sum;
+* :meth:`FillerVerifiers.digit_credit_reward`   a graded answer reward: the share of the sum's digit
+  places the answer gets right (aligned at the units digit, over the longer of the two);
+* :meth:`FillerVerifiers.thinking_cost`   minus the number of thinking dots: a reward on another scale
+  than 0/1, for weighing several objectives (lesson 10b, GDPO);
 * :meth:`FillerVerifiers.lenient_answer_reward`  a verifier with a false positive: it compares the
   answer with the sum digit by digit through ``zip``, which stops at the shorter of the two, so
   ``"1"`` passes for ``"12+99="`` (sum ``111``), and so does ``"1115"``;
@@ -68,6 +72,28 @@ class FillerVerifiers:
         """1 if the extracted answer is exactly the sum, however many dots came before, else 0."""
         check_pairs(prompts, completions)
         return [float(extract_answer(c) == self.task.answer(p)) for p, c in zip(prompts, completions)]
+
+    def digit_credit_reward(self, prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+        """Partial credit in ``[0, 1]``: the share of digit places right, however many dots came before.
+
+        The answer (:func:`extract_answer`; 0 when there is none) and the sum are aligned at the units
+        digit, place by place, and the places that agree are divided by the longer length
+        (:meth:`~rlcourse.tasks.arithmetic.AdditionTask.partial_credit`): for the sum ``165``, ``"165"``
+        scores 1, ``"155"`` 2/3, ``"65"`` 2/3 (the hundreds place is missing), ``"1650"`` 0 (every digit
+        shifted one place), ``"0165"`` 3/4. A missing or extra digit costs its place, so a length
+        mismatch never scores 1.
+        """
+        check_pairs(prompts, completions)
+        out = []
+        for p, c in zip(prompts, completions):
+            got = extract_answer(c)
+            out.append(0.0 if got is None else float(self.task.partial_credit(self.task.answer(p), got)))
+        return out
+
+    def thinking_cost(self, prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+        """Minus the number of leading dots, one point per dot of thinking: ``"..46" -> -2``, ``"46" -> 0``."""
+        check_pairs(prompts, completions)
+        return [float(-self.task.split(c)[0]) for c in completions]
 
     def lenient_answer_reward(self, prompts: list[str], completions: list[str], **kwargs) -> list[float]:
         """The buggy verifier: the answer compared digit by digit with ``zip``, which stops at the shorter string.

@@ -10,12 +10,15 @@ Pseudocode of one step (every formula lives in :mod:`rlcourse.losses.grpo`):
                                                       # rlcourse.trainers.dynamic_sampling.fill_batch
     r        <- r + overlong_penalty(|y|)             (overlong_buffer_len > 0: DAPO's soft punishment)
     r        <- r - beta * sum_t k1_t                 (kl_in_reward: RLOO's KL in the reward)
-    A        <- advantages(r)                         (grpo | rloo | batch_mean | moving_average)
+    A        <- advantages(r)                         (grpo | rloo | batch_mean | moving_average;
+                 normalize_then_sum: each reward function normalised in its group first, GDPO)
     logp_old <- log pi_theta(y) now, without grad     (only when num_iterations > 1)
     repeat num_iterations times:
         logp <- log pi_theta(y) at `temperature`       # rlcourse.lm.logprobs
         loss <- aggregate(per_token_loss(logp, logp_old, A, ...), loss_type)
+        loss <- loss - c * mean entropy               (entropy_coef; c adaptive: use_adaptive_entropy)
         one optimiser step
+        c    <- c +- entropy_coef_delta               (use_adaptive_entropy: rlcourse.losses.rlvr)
 
 Settings are named as TRL's ``GRPOConfig`` / ``RLOOConfig`` (see :class:`PolicyGradientConfig`) and
 the logged metrics use TRL's names. Any ``transformers`` causal LM with a tokenizer that defines
@@ -37,13 +40,14 @@ from rlcourse.lm.sampling import sample
 from rlcourse.losses import entropy_bonus, masked_mean
 from rlcourse.losses.off_policy import (SAMPLER_IS_MODES, check_is_bounds, check_sampler_logprobs,
                                         off_policy_sequence_mask, sampler_gap_stats, sampler_importance_weights)
-from rlcourse.losses.grpo import (LOSS_TYPES, aggregate_loss, batch_mean_advantages, clip_fractions,
-                                  group_advantages, importance_weights, leave_one_out_advantages,
-                                  moving_average_baseline, per_token_loss, rloo_loss)
-from rlcourse.losses.rlvr import high_entropy_mask, overlong_penalty
+from rlcourse.losses.grpo import (LOSS_TYPES, MULTI_OBJECTIVE_AGGREGATIONS, aggregate_loss, batch_mean_advantages,
+                                  clip_fractions, group_advantages, importance_weights, leave_one_out_advantages,
+                                  moving_average_baseline, multi_objective_advantages, per_token_loss, rloo_loss)
+from rlcourse.losses.rlvr import adaptive_entropy_coef, applied_entropy_coef, high_entropy_mask, overlong_penalty
 
 __all__ = ["PolicyGradientConfig", "PolicyGradientTrainer", "ADVANTAGE_ESTIMATORS", "advantages", "attach_sampler_logprobs",
-           "checked_rewards", "logits_and_logprobs", "loss_and_stats", "draw_metrics"]
+           "checked_rewards", "reward_table", "logits_and_logprobs", "loss_and_stats", "draw_metrics",
+           "entropy_coef_now", "entropy_coef_after"]
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "batch_mean", "moving_average")
 
@@ -80,6 +84,15 @@ class PolicyGradientConfig:
     every completion drawn in the step. ``max_num_gen_batches=1`` only drops (the batch shrinks).
     The filter reads the task's rewards before the overlong penalty (verl's DAPO filters on accuracy);
     the kept groups train on the penalised ones.
+
+    Lesson 10b's settings, TRL's names and defaults: ``multi_objective_aggregation="normalize_then_sum"``
+    (GDPO) normalises each reward function of a :class:`rlcourse.tasks.verifiers.RewardedTask` in its
+    group before the weighted sum (:func:`rlcourse.losses.grpo.multi_objective_advantages`; GRPO's group
+    advantage only, and not with the overlong penalty, ``kl_in_reward`` or dynamic sampling, which act on
+    the summed reward; ``scale_rewards`` is not read, as in TRL). ``use_adaptive_entropy`` runs Skywork-OR1's controller on ``entropy_coef`` once
+    per optimiser step (:func:`rlcourse.losses.rlvr.adaptive_entropy_coef`; ``entropy_coef`` is then its
+    start value) and applies the bonus only while the entropy is at or below ``entropy_target``
+    (:func:`~rlcourse.losses.rlvr.applied_entropy_coef`).
 
     ``loss_type`` is one of ``grpo, bnpo, dr_grpo, dapo, cispo, sapo`` (TRL's default ``dapo``) or
     ``rloo`` (rlcourse's name for RLOOTrainer's only loss: PPO-clip on the whole-sequence ratio).
@@ -144,6 +157,14 @@ class PolicyGradientConfig:
     top_entropy_quantile: float = 1.0
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
+    # Skywork-OR1's adaptive entropy control (TRL's names and defaults), and GDPO's aggregation of several
+    # reward functions (TRL's multi_objective_aggregation; "sum_then_normalize" is TRL's default).
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
+    multi_objective_aggregation: str = "sum_then_normalize"
 
     def __post_init__(self):
         if self.loss_type not in (*LOSS_TYPES, "rloo"):
@@ -193,11 +214,22 @@ class PolicyGradientConfig:
         if self.ratio_against_sampler and self.vllm_importance_sampling_correction:
             raise ValueError("ratio_against_sampler=True takes the sampler's log-probs as pi_old, so the importance "
                              "weight pi_old / mu would be 1 everywhere: set vllm_importance_sampling_correction=False")
-        if not 0.0 <= self.top_entropy_quantile <= 1.0 or (
-                self.loss_type == "rloo" and (self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0)):
+        if not 0.0 <= self.top_entropy_quantile <= 1.0 or (self.loss_type == "rloo" and (
+                self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0 or self.use_adaptive_entropy)):
             raise ValueError(f"top_entropy_quantile must be in [0, 1], and with loss_type='rloo' (a loss per sequence) "
-                             f"top_entropy_quantile=1 and entropy_coef=0; got {self.top_entropy_quantile!r}, "
-                             f"{self.entropy_coef!r}")
+                             f"top_entropy_quantile=1, entropy_coef=0 and no adaptive entropy; got "
+                             f"{self.top_entropy_quantile!r}, {self.entropy_coef!r}, {self.use_adaptive_entropy!r}")
+        if self.use_adaptive_entropy and not (self.entropy_coef_delta >= 0 and self.entropy_coef_min <= self.entropy_coef_max):
+            raise ValueError(f"use_adaptive_entropy needs entropy_coef_delta >= 0 and entropy_coef_min <= entropy_coef_max, "
+                             f"got {self.entropy_coef_delta!r}, [{self.entropy_coef_min!r}, {self.entropy_coef_max!r}]")
+        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+            raise ValueError(f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}, "
+                             f"got {self.multi_objective_aggregation!r}")
+        if self.multi_objective_aggregation == "normalize_then_sum" and (
+                self.advantage_estimator != "grpo" or self.kl_in_reward or self.overlong_buffer_len or self.dynamic_sampling):
+            raise ValueError("multi_objective_aggregation='normalize_then_sum' normalises each reward function in its "
+                             "group (GRPO's advantage): it needs advantage_estimator='grpo', and no kl_in_reward, "
+                             "overlong_buffer_len or dynamic_sampling, which act on the summed reward")
         if not (isinstance(self.overlong_buffer_len, int) and self.overlong_buffer_len >= 0 and self.overlong_penalty_factor >= 0):
             raise ValueError(f"overlong_buffer_len must be an integer >= 0 and overlong_penalty_factor >= 0, got "
                              f"{self.overlong_buffer_len!r}, {self.overlong_penalty_factor!r}")
@@ -206,15 +238,24 @@ class PolicyGradientConfig:
                              "has all-equal rewards, so every group would be dropped")
 
 
-def advantages(config: PolicyGradientConfig, rewards: torch.Tensor,
-               baseline: float | None = None) -> tuple[torch.Tensor, float | None]:
+def advantages(config: PolicyGradientConfig, rewards: torch.Tensor, baseline: float | None = None,
+               table: tuple | None = None) -> tuple[torch.Tensor, float | None]:
     """One run's advantages from its rewards, by ``config.advantage_estimator``; and the new baseline.
 
     ``baseline`` is the moving average carried from step to step (``moving_average`` only; None
     before the first batch, which is then its own baseline). The advantage uses the baseline from
-    *before* this batch.
+    *before* this batch. ``table`` is :func:`reward_table`'s ``(rewards per function, weights)``, read
+    only with ``multi_objective_aggregation="normalize_then_sum"``.
     """
     c = config
+    if c.multi_objective_aggregation == "normalize_then_sum":
+        if table is None:
+            raise ValueError("multi_objective_aggregation='normalize_then_sum' needs each reward function's rewards "
+                             "(reward_table(task))")
+        per_func, weights = table
+        return multi_objective_advantages(per_func.to(rewards.device), c.num_generations, weights,
+                                          multi_objective_aggregation=c.multi_objective_aggregation,
+                                          std_floor=c.std_floor), baseline
     if c.advantage_estimator == "grpo":
         return group_advantages(rewards, c.num_generations, c.scale_rewards, c.std_floor), baseline
     if c.advantage_estimator == "rloo":
@@ -232,6 +273,42 @@ def checked_rewards(task, prompts: list[str], completions: list[str], device) ->
         raise ValueError(f"task.reward must return one finite reward per completion (no NaN, no +-inf), "
                          f"got {rewards}")
     return rewards
+
+
+def reward_table(task) -> tuple[torch.Tensor, list[float]]:
+    """The rewards of ``task``'s latest call per reward function, ``(B, F)`` float32, and their weights.
+
+    ``task`` is a :class:`rlcourse.tasks.verifiers.RewardedTask` (its ``last_rewards``, in the order of
+    its ``reward_funcs``); GDPO's aggregation needs the functions apart, not their weighted sum.
+    """
+    funcs, last = getattr(task, "reward_funcs", None), getattr(task, "last_rewards", None)
+    if not funcs or not last or len(last) != len(funcs):
+        raise ValueError(f"multi_objective_aggregation='normalize_then_sum' needs a task that keeps each reward "
+                         f"function's rewards (rlcourse.tasks.verifiers.RewardedTask), got {task!r}")
+    weights = getattr(task, "reward_weights", None)
+    return torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in last.values()], dim=1), \
+        [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
+
+
+def entropy_coef_now(config: PolicyGradientConfig, coef: float, last_entropy: float) -> float:
+    """The entropy bonus's coefficient in this optimiser step's loss: ``entropy_coef``, or with
+    ``use_adaptive_entropy`` the controller's ``coef`` gated on the last measured entropy
+    (:func:`rlcourse.losses.rlvr.applied_entropy_coef`)."""
+    if not config.use_adaptive_entropy:
+        return config.entropy_coef
+    return applied_entropy_coef(coef, last_entropy, config.entropy_target)
+
+
+def entropy_coef_after(config: PolicyGradientConfig, coef: float, last_entropy: float, stats: dict) -> tuple[float, float]:
+    """The controller's ``(coef, last_entropy)`` after an optimiser step whose :func:`loss_and_stats` gave
+    ``stats`` (:func:`rlcourse.losses.rlvr.adaptive_entropy_coef` on ``stats["entropy_bonus/entropy"]``,
+    the mean entropy of the tokens the bonus acts on); unchanged without ``use_adaptive_entropy``."""
+    if not config.use_adaptive_entropy or "entropy_bonus/entropy" not in stats:
+        return coef, last_entropy
+    entropy = stats["entropy_bonus/entropy"]
+    return adaptive_entropy_coef(coef, entropy, entropy_target=config.entropy_target,
+                                 entropy_coef_delta=config.entropy_coef_delta, entropy_coef_min=config.entropy_coef_min,
+                                 entropy_coef_max=config.entropy_coef_max), entropy
 
 
 @dataclass
@@ -282,14 +359,18 @@ def attach_sampler_logprobs(config: PolicyGradientConfig, model, b: _Batch, samp
 
 
 def loss_and_stats(config: PolicyGradientConfig, logits: torch.Tensor, logp: torch.Tensor, b: _Batch,
-                   max_len: int) -> tuple[torch.Tensor, dict]:
+                   max_len: int, entropy_coef: float | None = None) -> tuple[torch.Tensor, dict]:
     """One run's loss from the current policy's ``logits`` and masked log-probs ``logp`` on batch ``b``.
 
     The loss is ``config.loss_type``'s (:func:`rlcourse.losses.grpo.per_token_loss` then
     :func:`~rlcourse.losses.grpo.aggregate_loss`, or :func:`~rlcourse.losses.grpo.rloo_loss`); the
-    stats are TRL's ``entropy``, ``clip_ratio/*`` and, with a reference, ``kl``.
+    stats are TRL's ``entropy``, ``clip_ratio/*`` and, with a reference, ``kl``. ``entropy_coef``
+    overrides ``config.entropy_coef`` (the adaptive controller's value, :func:`entropy_coef_now`); with
+    an entropy bonus the stats add ``entropy_bonus/entropy``, the mean entropy of the tokens it acts on.
     """
     c = config
+    bonus = c.entropy_coef != 0.0 or c.use_adaptive_entropy     # TRL's _entropy_bonus_enabled
+    coef = c.entropy_coef if entropy_coef is None else entropy_coef
     old = b.old_logprobs if b.old_logprobs is not None else logp.detach()
     if c.ratio_against_sampler and b.sampler_logprobs is not None:
         old = b.sampler_logprobs               # lesson 10c: the ratio pi_theta / mu, PPO on a stale behaviour policy
@@ -316,11 +397,11 @@ def loss_and_stats(config: PolicyGradientConfig, logits: torch.Tensor, logp: tor
             if b.is_weights is not None:
                 policy_term = policy_term * b.is_weights
             per_token = policy_term + kl_term
-        if c.top_entropy_quantile < 1.0 or c.entropy_coef != 0.0:
+        if c.top_entropy_quantile < 1.0 or bonus:
             per_token, entropy_term = _entropy_terms(c, logits, logp, old, b, per_token, beta)
         loss = aggregate_loss(per_token, mask, c.loss_type, max_len)
-        if c.entropy_coef != 0.0:
-            loss = loss - c.entropy_coef * entropy_term
+        if bonus:
+            loss = loss - coef * entropy_term
         ratio = importance_weights(logp, old, mask, c.importance_sampling_level).detach()
     with torch.no_grad():
         logp_full = torch.log_softmax(logits.float() / c.temperature, dim=-1)
@@ -328,6 +409,8 @@ def loss_and_stats(config: PolicyGradientConfig, logits: torch.Tensor, logp: tor
                  **clip_fractions(ratio, b.advantages, mask, c.epsilon, c.epsilon_high)}
         if b.ref_logprobs is not None:
             stats["kl"] = float(masked_mean(kl_k3(logp.detach(), b.ref_logprobs), mask.bool()))
+        if bonus and c.loss_type != "rloo":
+            stats["entropy_bonus/entropy"] = float(entropy_term.detach())
         if b.sampler_logprobs is not None:     # lesson 10c: how far the sampler is from the trainer, TRL's sampling/*
             stats.update(sampler_gap_stats(b.old_logprobs, b.sampler_logprobs, mask, b.is_weights,
                                            c.vllm_importance_sampling_clip_max or 3.0))
@@ -354,7 +437,8 @@ def _entropy_terms(c: PolicyGradientConfig, logits, logp, old, b: _Batch, per_to
                              c.importance_sampling_level, 0.0, None, c.sapo_temperature_pos,
                              c.sapo_temperature_neg, c.use_bias_correction_kl))
         per_token = (per_token - kl_term) * keep.to(per_token.dtype) + kl_term
-    return per_token, entropy_bonus(scaled, keep) if c.entropy_coef != 0.0 else None
+    bonus = c.entropy_coef != 0.0 or c.use_adaptive_entropy
+    return per_token, entropy_bonus(scaled, keep) if bonus else None
 
 
 def overlong_shaped(c: PolicyGradientConfig, roll, rewards: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -419,13 +503,15 @@ class PolicyGradientTrainer:
         self.baseline: float | None = None
         self.history: list[dict] = []
         self.sampler = sampler
+        # the adaptive entropy controller's state (lesson 10b): TRL starts with no measured entropy
+        self.entropy_coef, self.last_entropy = c.entropy_coef, float("inf")
 
     # ------------------------------------------------------------------ pieces of one step
     def _logits_and_logprobs(self, model, b: _Batch):
         return logits_and_logprobs(model, b, self.config.temperature)
 
-    def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        adv, self.baseline = advantages(self.config, rewards, self.baseline)
+    def _advantages(self, rewards: torch.Tensor, table: tuple | None = None) -> torch.Tensor:
+        adv, self.baseline = advantages(self.config, rewards, self.baseline, table)
         return adv
 
     def _draw(self, n_prompts: int):
@@ -457,6 +543,7 @@ class PolicyGradientTrainer:
         """Sample, score and compute advantages for one step's completions (``advantages`` None: skip)."""
         c = self.config
         roll, rewards, drawn = self._sample_groups()
+        table = reward_table(self.task) if c.multi_objective_aggregation == "normalize_then_sum" else None
         metrics = draw_metrics(drawn, c.num_generations)
         if roll is None:                         # dynamic sampling found no group with a signal
             return _Batch(metrics=metrics)
@@ -472,7 +559,7 @@ class PolicyGradientTrainer:
         if c.kl_in_reward and b.ref_logprobs is not None:   # TRL's RLOO: r - beta * sum_t (log pi_old - log pi_ref)
             old_now = self._logits_and_logprobs(self.model, b)[1]
             shaped = rewards - c.beta * kl_k1(old_now, b.ref_logprobs, mask).sum(1)
-        b.rewards, b.advantages = shaped, self._advantages(shaped)
+        b.rewards, b.advantages = shaped, self._advantages(shaped, table)
         if c.num_iterations > 1:
             b.old_logprobs = self._logits_and_logprobs(self.model, b)[1]
         if self.sampler is not None:
@@ -481,7 +568,8 @@ class PolicyGradientTrainer:
 
     def _loss(self, b: _Batch):
         logits, logp = self._logits_and_logprobs(self.model, b)
-        return loss_and_stats(self.config, logits, logp, b, self.max_len)
+        return loss_and_stats(self.config, logits, logp, b, self.max_len,
+                              entropy_coef=entropy_coef_now(self.config, self.entropy_coef, self.last_entropy))
 
     def step(self) -> dict:
         """One training step (sampling, then ``num_iterations`` optimiser steps); returns its metrics."""
@@ -499,8 +587,12 @@ class PolicyGradientTrainer:
             if self.config.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
             self.optimizer.step()
+            self.entropy_coef, self.last_entropy = entropy_coef_after(self.config, self.entropy_coef,
+                                                                      self.last_entropy, stats)
         self.model.eval()
         metrics.update(stats, loss=float(loss.detach()))
+        if self.config.use_adaptive_entropy:
+            metrics["entropy_coef"] = self.entropy_coef
         self.history.append(metrics)
         return metrics
 

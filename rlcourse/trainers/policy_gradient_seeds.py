@@ -29,8 +29,9 @@ import torch
 from rlcourse.kl import kl_k1
 from rlcourse.lm.fast_gpt2 import supports
 from rlcourse.trainers.policy_gradient import (PolicyGradientConfig, _Batch, advantages, attach_sampler_logprobs,
-                                         checked_rewards, completion_budget, draw_metrics, logits_and_logprobs,
-                                         loss_and_stats, overlong_shaped)
+                                         checked_rewards, completion_budget, draw_metrics, entropy_coef_after,
+                                         entropy_coef_now, logits_and_logprobs, loss_and_stats, overlong_shaped,
+                                         reward_table)
 from rlcourse.lm.sampling import sample
 from rlcourse.lm.seed_stack import SeedAdam, seed_copies, seed_model, seed_runs, stack_models
 
@@ -85,6 +86,10 @@ class SeedBatchedPolicyGradientTrainer:
         self.baselines: list[float | None] = [None] * len(self.seeds)
         self.history: list[list[dict]] = [[] for _ in self.seeds]
         self.sampler = sampler   # off-policy (lesson 10c): PolicyGradientTrainer's ``sampler``, on the stacked model
+        # each seed's adaptive entropy controller (lesson 10b): coefficient and last measured entropy
+        self.entropy_coefs = [c.entropy_coef] * len(self.seeds)
+        self.last_entropies = [float("inf")] * len(self.seeds)
+        self.last_batch: _Batch | None = None    # the latest step's batch, for measurements (lesson 10b)
 
     @property
     def num_seeds(self) -> int:
@@ -111,8 +116,11 @@ class SeedBatchedPolicyGradientTrainer:
         if c.mask_truncated_completions:
             mask = mask * roll.finished.long()[:, None]
         b = _Batch(roll.prompt_ids, roll.prompt_mask, roll.completion_ids, mask)
-        rewards = torch.cat([checked_rewards(task, block, roll.completions[self._rows(s, size)], self.device)
-                             for s, (task, block) in enumerate(zip(self.tasks, prompts))])
+        rewards, tables = [], []
+        for s, (task, block) in enumerate(zip(self.tasks, prompts)):
+            rewards.append(checked_rewards(task, block, roll.completions[self._rows(s, size)], self.device))
+            tables.append(reward_table(task) if c.multi_objective_aggregation == "normalize_then_sum" else None)
+        rewards = torch.cat(rewards)
         rewards = overlong_shaped(c, roll, rewards, self.max_len)   # lesson 10b: DAPO's soft overlong punishment
         metrics = [draw_metrics([(roll.select(self._rows(s, size)), rewards[self._rows(s, size)])], c.num_generations)
                    for s in range(self.num_seeds)]
@@ -128,7 +136,7 @@ class SeedBatchedPolicyGradientTrainer:
             if not bool(active[s]):   # skipped, as the single-seed trainer skips it: the baseline does not move
                 per_seed.append(torch.zeros_like(shaped[self._rows(s, size)]))
                 continue
-            adv, self.baselines[s] = advantages(c, shaped[self._rows(s, size)], self.baselines[s])
+            adv, self.baselines[s] = advantages(c, shaped[self._rows(s, size)], self.baselines[s], tables[s])
             per_seed.append(adv)
         b.rewards, b.advantages, b.metrics = shaped, torch.cat(per_seed), metrics
         if c.num_iterations > 1:
@@ -149,7 +157,8 @@ class SeedBatchedPolicyGradientTrainer:
                 stats.append({})
                 continue
             rows = self._rows(s, size)
-            loss, st = loss_and_stats(self.config, logits[rows], logp[rows], b.rows(rows), self.max_len)
+            coef = entropy_coef_now(self.config, self.entropy_coefs[s], self.last_entropies[s])
+            loss, st = loss_and_stats(self.config, logits[rows], logp[rows], b.rows(rows), self.max_len, entropy_coef=coef)
             out.append(loss)
             stats.append(st)
         return out, stats
@@ -158,6 +167,7 @@ class SeedBatchedPolicyGradientTrainer:
         """One training step of every seed; returns each seed's metrics."""
         c = self.config
         b, active = self.make_batch()
+        self.last_batch = b
         self.model.train()
         for _ in range(c.num_iterations):
             losses, stats = self.losses(b, active)
@@ -167,6 +177,9 @@ class SeedBatchedPolicyGradientTrainer:
                 if c.max_grad_norm is not None:
                     self.optimizer.clip_grad_norm_(c.max_grad_norm)
                 self.optimizer.step(active)
+            for s, st in enumerate(stats):
+                self.entropy_coefs[s], self.last_entropies[s] = entropy_coef_after(c, self.entropy_coefs[s],
+                                                                                   self.last_entropies[s], st)
         self.model.eval()
         metrics = []
         for s in range(self.num_seeds):
@@ -175,6 +188,8 @@ class SeedBatchedPolicyGradientTrainer:
                 m.update(loss=0.0, skipped=1.0)
             else:
                 m.update(stats[s], loss=float(losses[s].detach()))
+                if c.use_adaptive_entropy:
+                    m["entropy_coef"] = self.entropy_coefs[s]
             self.history[s].append(m)
             metrics.append(m)
         return metrics
