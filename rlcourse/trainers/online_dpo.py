@@ -44,7 +44,28 @@ from rlcourse.lm.sampling import sample
 from rlcourse.lm.seed_stack import SeedAdam, seed_model, stack_models
 from rlcourse.lm.seed_stack import score_by_seed, seed_copies
 
-__all__ = ["OnlineDPOConfig", "OnlineDPOTrainer", "BradleyTerryRater"]
+__all__ = ["OnlineDPOConfig", "OnlineDPOTrainer", "BradleyTerryRater", "rollout_scores"]
+
+
+@torch.no_grad()
+def rollout_scores(seed_rewards: list, roll, missing_eos_penalty: float | None = None) -> torch.Tensor:
+    """The reward of every answer of a rollout (B,), float32, minus ``missing_eos_penalty`` where it has no ``<eos>``.
+
+    ``seed_rewards``: one reward per seed-major block of the rollout's rows (one block for a single
+    run), each ``f(prompts, completions) -> scores`` or the same scalar-head reward model (which scores
+    every row at once, from the rollout's tokens).
+    """
+    if isinstance(seed_rewards[0], torch.nn.Module):
+        s = score_completions(seed_rewards[0], roll.prompt_ids, roll.prompt_mask, roll.completion_ids,
+                              roll.completion_mask)
+    else:
+        s = score_by_seed(seed_rewards)(roll.prompts, roll.completions)   # each run's rows by its own copy
+    s = s.to(roll.completion_ids.device, torch.float32).flatten()
+    if s.shape[0] != len(roll.completions):
+        raise ValueError(f"reward_funcs must return one score per completion ({len(roll.completions)}), got {s.shape[0]}")
+    if missing_eos_penalty is not None:
+        s = s - missing_eos_penalty * (~roll.finished).float()
+    return s
 
 
 class BradleyTerryRater:
@@ -177,20 +198,9 @@ class OnlineDPOTrainer:
         """Run ``s``'s current policy as an ordinary model (a copy when stacked, the model itself otherwise)."""
         return seed_model(self.model, s) if self.stacked else self.model
 
-    @torch.no_grad()
     def scores(self, roll) -> torch.Tensor:
         """The reward of every sampled answer, minus ``missing_eos_penalty`` where it has no ``<eos>``."""
-        if isinstance(self.reward_funcs, torch.nn.Module):
-            s = score_completions(self.reward_funcs, roll.prompt_ids, roll.prompt_mask, roll.completion_ids,
-                                  roll.completion_mask)
-        else:
-            s = score_by_seed(self.seed_rewards)(roll.prompts, roll.completions)   # each run's rows by its own copy
-        s = s.to(self.device, torch.float32).flatten()
-        if s.shape[0] != len(roll.completions):
-            raise ValueError(f"reward_funcs must return one score per completion ({len(roll.completions)}), got {s.shape[0]}")
-        if self.args.missing_eos_penalty is not None:
-            s = s - self.args.missing_eos_penalty * (~roll.finished).float()
-        return s
+        return rollout_scores(self.seed_rewards, roll, self.args.missing_eos_penalty)
 
     def step(self) -> list[dict]:
         """One online-DPO step of every run: sample, score, pair, one update; returns each run's metrics."""
