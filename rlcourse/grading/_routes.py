@@ -30,12 +30,12 @@ SIGMOID_PAIR_LOSSES = (
 )
 # The log-ratio pieces of DPO's loss.
 DPO_PIECES = ("rlcourse.losses.dpo:dpo_logratio_margin", "rlcourse.losses.dpo:dpo_implicit_reward")
-# The course's preference trainers: a batch's loss, a run, a round of online DPO.
+# The course's preference trainers: a batch's loss, a run, a round of online DPO, rounds of iterative DPO.
 PREFERENCE_TRAINERS = (
     "rlcourse.trainers.dpo:batch_loss", "rlcourse.trainers.dpo:train_dpo",
     "rlcourse.trainers.dpo_seeds:seed_losses", "rlcourse.trainers.dpo_seeds:train_dpo_seeds",
     "rlcourse.trainers.online_dpo:OnlineDPOTrainer.step", "rlcourse.trainers.online_dpo:OnlineDPOTrainer.train",
-    "rlcourse.trainers.online_dpo:OnlineDPOTrainer._update",
+    "rlcourse.trainers.online_dpo:OnlineDPOTrainer._update", "rlcourse.trainers.iterative_dpo:train_iterative_dpo",
 )
 # Where a tabular policy fitted to preferences lands, computed rather than fitted.
 PREFERENCE_OPTIMA = (
@@ -105,6 +105,14 @@ STRICT_FILLER_REWARD = (
     "rlcourse.tasks.verifiers:FillerVerifiers.format_reward", "rlcourse.tasks.verifiers:extract_answer",
 )
 
+# Lesson 10e's multi-turn pieces: the masked loss, the per-turn advantages and the trainer built on them (its
+# exercises hand out rollout, group_advantages and sequence_logprobs where a step needs them).
+MULTI_TURN = (
+    "rlcourse.losses.multi_turn:multi_turn_loss", "rlcourse.losses.multi_turn:process_advantages",
+    "rlcourse.trainers.multi_turn:MultiTurnTrainer.step", "rlcourse.trainers.multi_turn:MultiTurnTrainer.advantages",
+    "rlcourse.trainers.multi_turn:MultiTurnTrainer.train",
+)
+
 # Each grading module's own reference helpers: the reference step, run or measurement its checks compare
 # with, which an answer could call as well. :func:`rlcourse.grading._core.references` adds them to every check
 # of the module, and those of the shared ``_steps.py`` (none yet: its machinery runs the learner's step and
@@ -121,6 +129,7 @@ REFERENCE_HELPERS = {
     "lesson10": ("_reference_update",),
     "lesson10b": ("_reference", "_subsets_pass_at_k"),
     "lesson10c": ("_reference_update", "_reference_run", "_variant_gradients", "_bounded"),
+    "lesson10e": ("_reference_step",),
     "lesson11": ("_reference_dpo_step", "optimum_of_the_data"),
     "lesson11b": ("_online_round", "_reference_online_dpo", "_orpo_terms"),
 }

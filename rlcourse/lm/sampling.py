@@ -248,7 +248,7 @@ def _positive_int(n) -> bool:
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, generator: torch.Generator | None = None,
-           engine: str = "auto", cpu_threads: int | None = None) -> Rollout:
+           engine: str = "auto", cpu_threads: int | None = None, stop_token_ids=()) -> Rollout:
     """Sample one completion per prompt, batched, with a KV cache. See the module docstring.
 
     ``temperature=0`` decodes greedily (the argmax; a temperature must otherwise be finite and > 0).
@@ -265,6 +265,9 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
     ``cpu_threads`` is the intra-op thread count while decoding on a CPU (torch's count is restored
     after); ``None`` lets :func:`decode_threads` pick one thread for a small batch and torch's
     count otherwise.
+
+    ``stop_token_ids`` (lesson 10e's tool calls): ids that end a row as ``<eos>`` does, but stay part
+    of its text (a call's closing ``")"``); the row's mask is 1 up to and including it.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -297,6 +300,9 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     if eos_id is None or pad_id is None:
         raise ValueError("tokenizer must define both eos_token and pad_token")
+    stops = [eos_id, *stop_token_ids]
+    if not all(isinstance(t, numbers.Integral) and 0 <= t < len(tokenizer) for t in stops):
+        raise ValueError(f"stop_token_ids must be token ids of the tokenizer, got {list(stop_token_ids)!r}")
 
     # Tokenise and prefill each distinct prompt once (GRPO repeats every prompt K times).
     _check_prompts(prompts)
@@ -337,6 +343,7 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
                 logits = decoder.prefill(prompt_ids, position_ids_from_mask(prompt_mask))
             finished = torch.zeros(batch, dtype=torch.bool, device=dev)
             banned = torch.tensor(banned_token_ids(tokenizer), dtype=torch.long, device=dev)
+            stop = torch.tensor(stops, dtype=torch.long, device=dev)
             tokens, logps, masks = [], [], []
             for step in range(max_new_tokens):
                 alive = ~finished
@@ -345,7 +352,7 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
                 tokens.append(token)
                 logps.append(torch.where(alive, logp, torch.zeros_like(logp)))
                 masks.append(alive.long())
-                finished = finished | (token == eos_id)
+                finished = finished | (token == eos_id if len(stops) == 1 else torch.isin(token, stop))
                 if step == max_new_tokens - 1 or bool(finished.all()):
                     break
                 logits = decoder.step(token)

@@ -15,6 +15,11 @@ Training is seeded; the numbers in ``recipe.json`` were measured at the end of t
 * ``filler-addition``  - "12+34=" -> "...46": 0-12 filler dots, then the sum; the task scores only
                          answers after at most 3 dots, so most demonstrations (and samples) run
                          over budget. Completions vary in length: lesson 10's length-bias runs.
+* ``tool-sum-sft``     - "12+34+56=" -> the sum, directly, or (one demonstration in ten of the three-number
+                         sums) through calculator calls "(12+34)=46;(46+56)=102;102", the calculator's
+                         tokens left out of the loss; plus two-number sums. Greedy decoding never calls the
+                         tool and adds three numbers poorly; sampling calls it about one time in ten
+                         (lesson 10e's starting point: RL teaches when to call).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from rlcourse.lm.checkpoints import CHECKPOINT_DIR, save_checkpoint
 from rlcourse.lm.model import count_parameters, make_model
 from rlcourse.trainers.sft import exact_match, train_sft
 from rlcourse.tasks import AdditionTask, DigitSumTask, FillerAdditionTask, PreferenceTask
+from rlcourse.tasks.tool_env import ToolSumTask
 from rlcourse.lm.tokenizer import build_char_tokenizer
 
 RECIPES = {
@@ -45,9 +51,11 @@ RECIPES = {
                            n_examples=20000, steps=800, lr=3e-3, batch_size=128, seed=0),
     "filler-addition": dict(task="FillerAdditionTask", task_kwargs=dict(n_digits=2, max_filler=12, budget=3),
                             size="tiny", n_examples=20000, steps=1500, lr=3e-3, batch_size=128, seed=0),
+    "tool-sum-sft": dict(task="ToolSumTask", task_kwargs=dict(n_operands=3, n_digits=2, tool_rate=0.1, pair_fraction=0.3),
+                         size="tiny", n_examples=20000, steps=2000, lr=3e-3, batch_size=128, seed=0),
 }
 TASKS = {"AdditionTask": AdditionTask, "DigitSumTask": DigitSumTask, "FillerAdditionTask": FillerAdditionTask,
-         "PreferenceTask": PreferenceTask}
+         "PreferenceTask": PreferenceTask, "ToolSumTask": ToolSumTask}
 
 
 def make_task(recipe: dict):
@@ -82,12 +90,27 @@ def train_recipe(name: str, out_dir: Path, progress: bool = True) -> dict:
         results["test_exact_match_greedy"] = exact_match(model, tokenizer, task, test_prompts)
         results["test_exact_match_sampled_T1"] = exact_match(model, tokenizer, task, test_prompts,
                                                              greedy=False, generator=sampler)
+    if isinstance(task, ToolSumTask):   # with the calculator: episodes of up to 4 turns (lesson 10e's rollout)
+        results.update(tool_results(model, tokenizer, task, test_prompts))
     record = {"name": name, "recipe": recipe, "results": results,
               "command": f"python -m rlcourse.tools.train_checkpoints {name}",
               "trained_with": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                                "machine": platform.machine(), "date": time.strftime("%Y-%m-%d")}}
     save_checkpoint(model, tokenizer, out_dir / name, record)
     return record
+
+
+def tool_results(model, tokenizer, task, prompts: list[str]) -> dict:
+    """Held-out exact match and tool-call rate of multi-turn episodes, greedy and sampled (T=1, seed 0)."""
+    from rlcourse.lm.multi_turn import rollout
+
+    out = {}
+    for name, temperature in (("greedy", 0.0), ("sampled_T1", 1.0)):
+        episodes = rollout(model, tokenizer, prompts, task.make_env, temperature=temperature,
+                           generator=torch.Generator(device=next(model.parameters()).device).manual_seed(0))
+        out[f"test_tool_exact_match_{name}"] = round(float(episodes.rewards.mean()), 3)
+        out[f"test_tool_call_rate_{name}"] = round(float((episodes.tool_calls > 0).float().mean()), 3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,10 +4,11 @@ SFT (:mod:`~rlcourse.trainers.sft`, lesson 07 and the checkpoints), the critic-f
 of REINFORCE, RLOO and the GRPO family (:mod:`~rlcourse.trainers.policy_gradient`, with DAPO's
 dynamic sampling in :mod:`~rlcourse.trainers.dynamic_sampling`; lessons 09-10c, 12), PPO-RLHF
 with a critic (:mod:`~rlcourse.trainers.ppo_rlhf`, lessons 08-08b), offline DPO and its relatives
-(:mod:`~rlcourse.trainers.dpo`, lessons 11-11b) and online DPO (:mod:`~rlcourse.trainers.online_dpo`,
-lesson 11b). Settings and logged metrics carry TRL's names. Each ``*_seeds`` module trains several
-independent seeds of the trainer beside it in one seed-stacked model (lesson 08b on), every seed
-the run its single-seed twin makes.
+(:mod:`~rlcourse.trainers.dpo`, lessons 11-11b), online DPO (:mod:`~rlcourse.trainers.online_dpo`)
+and iterative DPO (:mod:`~rlcourse.trainers.iterative_dpo`, lesson 11b), and GRPO on multi-turn episodes
+with a tool (:mod:`~rlcourse.trainers.multi_turn`, lesson 10e). Settings and logged metrics
+carry TRL's names. Each ``*_seeds`` module trains several independent seeds of the trainer beside it
+in one seed-stacked model (lesson 08b on), every seed the run its single-seed twin makes.
 """
 from rlcourse.trainers.dpo import DPOConfig, train_dpo
 from rlcourse.trainers.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer

@@ -26,7 +26,9 @@ def encode_examples(tokenizer, examples: list[dict]) -> tuple[torch.Tensor, torc
     """Left-padded ``(input_ids, attention_mask, loss_mask)`` for ``{"prompt", "completion"}`` rows.
 
     ``loss_mask`` is 1 on the completion's tokens and its ``<eos>``, 0 on ``<bos>``, the prompt
-    and the pads.
+    and the pads. A row may also hold ``"observation_spans"``, ``(start, end)`` character spans of
+    the completion that an environment wrote (a tool's output, lesson 10e): the completion is then
+    tokenised span by span, as a multi-turn rollout builds it, and those tokens get loss 0.
     """
     if not examples or not all(isinstance(e, dict) and "prompt" in e and "completion" in e for e in examples):
         raise ValueError("examples must be a non-empty list of {'prompt': str, 'completion': str} dicts")
@@ -34,8 +36,12 @@ def encode_examples(tokenizer, examples: list[dict]) -> tuple[torch.Tensor, torc
     rows = []
     for e in examples:
         p = tokenizer(e["prompt"])["input_ids"]  # starts with <bos>
-        c = tokenizer(e["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((p + c, [0] * len(p) + [1] * len(c)))
+        c, trained = [], []
+        for text, keep in _segments(e["completion"], e.get("observation_spans") or ()):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            c, trained = c + ids, trained + [int(keep)] * len(ids)
+        c, trained = c + [tokenizer.eos_token_id], trained + [1]
+        rows.append((p + c, [0] * len(p) + trained))
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -45,6 +51,19 @@ def encode_examples(tokenizer, examples: list[dict]) -> tuple[torch.Tensor, torc
         attention[i, width - len(ids):] = 1
         loss_mask[i, width - len(ids):] = torch.tensor(lm)
     return input_ids, attention, loss_mask
+
+
+def _segments(text: str, spans) -> list[tuple[str, bool]]:
+    """``text`` cut at the ``spans`` boundaries: ``(piece, trained)`` in order, ``trained`` False inside a span."""
+    out, at = [], 0
+    for start, end in sorted(spans):
+        if not (isinstance(start, int) and isinstance(end, int) and at <= start < end <= len(text)):
+            raise ValueError(f"observation_spans must be ordered, non-overlapping (start, end) character spans "
+                             f"inside the completion {text!r}, got {list(spans)}")
+        out += [(text[at:start], True)] if start > at else []
+        out.append((text[start:end], False))
+        at = end
+    return out + ([(text[at:], True)] if at < len(text) else [])
 
 
 def sft_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
