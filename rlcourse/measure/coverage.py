@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 
@@ -47,6 +47,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def _samples_per_prompt(prompts: list[str], completions: list[str], valid: list[bool]) -> int:
+    """The number n of samples each distinct prompt has; refuses mismatched lists, none, or unequal n."""
+    if not len(prompts) == len(completions) == len(valid):
+        raise ValueError(f"prompts, completions and valid must have one entry each, got "
+                         f"{len(prompts)}, {len(completions)}, {len(valid)}")
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    sizes = set(Counter(prompts).values())
+    if len(sizes) != 1:
+        raise ValueError(f"every prompt needs the same number of samples, got counts {sorted(sizes)}")
+    return sizes.pop()
+
+
 def coverage(prompts: list[str], completions: list[str], valid: list[bool], ks=(1,)) -> dict:
     """pass@k (for each k in ``ks``, mean over prompts) and the distinct-among-valid share of a sample.
 
@@ -55,22 +68,14 @@ def coverage(prompts: list[str], completions: list[str], valid: list[bool], ks=(
     ``distinct_among_valid`` is the total number of different valid answers (counted per prompt)
     over the total number of valid answers, and NaN when no answer is valid.
     """
-    if not len(prompts) == len(completions) == len(valid):
-        raise ValueError(f"prompts, completions and valid must have one entry each, got "
-                         f"{len(prompts)}, {len(completions)}, {len(valid)}")
-    if not prompts:
-        raise ValueError("prompts must not be empty")
+    n = _samples_per_prompt(prompts, completions, valid)
     right: dict[str, list[str]] = defaultdict(list)
-    count: dict[str, int] = defaultdict(int)
     for p, c, ok in zip(prompts, completions, valid):
-        count[p] += 1
         if ok:
             right[p].append(c)
-    sizes = set(count.values())
-    if len(sizes) != 1:
-        raise ValueError(f"every prompt needs the same number of samples, got counts {sorted(sizes)}")
-    n = sizes.pop()
-    out = {f"pass@{k}": sum(pass_at_k(n, len(right[p]), k) for p in count) / len(count) for k in ks}
+    distinct_prompts = dict.fromkeys(prompts)
+    out = {f"pass@{k}": sum(pass_at_k(n, len(right[p]), k) for p in distinct_prompts) / len(distinct_prompts)
+           for k in ks}
     n_valid = sum(len(v) for v in right.values())
     out["distinct_among_valid"] = (sum(len(set(v)) for v in right.values()) / n_valid) if n_valid else math.nan
     out["valid_answers"] = n_valid
@@ -87,25 +92,15 @@ def pass_at_k_by_cell(prompts: list[str], completions: list[str], valid: list[bo
     unbiased for ``1 - (1 - p_cell)^k``; the result is its mean over all (prompt, cell) problems, one
     key ``"pass@k"`` per k, and ``"cells"``, their number. Every prompt needs the same n >= max(ks).
     """
-    if not len(prompts) == len(completions) == len(valid):
-        raise ValueError(f"prompts, completions and valid must have one entry each, got "
-                         f"{len(prompts)}, {len(completions)}, {len(valid)}")
-    if not prompts:
-        raise ValueError("prompts must not be empty")
+    n = _samples_per_prompt(prompts, completions, valid)
     missing = sorted(set(prompts) - set(cells))
     if missing:
         raise ValueError(f"cells must list the cells of every prompt; missing {missing[:3]}")
-    count: dict[str, int] = defaultdict(int)
     hits: dict[tuple, int] = defaultdict(int)
     for p, c, ok in zip(prompts, completions, valid):
-        count[p] += 1
         if ok:
             hits[p, cell_of(c)] += 1
-    sizes = set(count.values())
-    if len(sizes) != 1:
-        raise ValueError(f"every prompt needs the same number of samples, got counts {sorted(sizes)}")
-    n = sizes.pop()
-    problems = [(p, cell) for p in count for cell in cells[p]]
+    problems = [(p, cell) for p in dict.fromkeys(prompts) for cell in cells[p]]
     if not problems:
         raise ValueError("cells must give at least one cell for some prompt")
     out = {f"pass@{k}": sum(pass_at_k(n, hits[problem], k) for problem in problems) / len(problems) for k in ks}
