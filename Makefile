@@ -25,7 +25,7 @@ STAMP := $(VENV)/.rlcourse-installed
 # JupyterLab refuses to start as root unless told it may.
 ROOT_FLAG := $(shell [ "$$(id -u)" = "0" ] && echo --allow-root)
 
-.PHONY: lab test env notebooks exercises bench book clean
+.PHONY: lab test browser env notebooks exercises bench book clean
 
 env: $(STAMP)
 
@@ -39,6 +39,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -e .
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (rlcourse)" >/dev/null
+	# JupyterLab asks on first start whether to fetch Jupyter's news, in a toast over the lesson's
+	# output; the course is offline, so the answer is given here: never.
+	mkdir -p $(VENV)/share/jupyter/lab/settings
+	echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' \
+		> $(VENV)/share/jupyter/lab/settings/overrides.json
 	touch $@
 
 lab: $(STAMP)
@@ -52,8 +57,18 @@ lab: $(STAMP)
 # one core, so two workers on a 2-core machine roughly halve the wall time; TEST_WORKERS=0 runs
 # everything in one process.
 TEST_WORKERS ?= 2
-test: $(STAMP)
+test: $(STAMP) browser
 	RLCOURSE_PROFILE=$(TEST_PROFILE) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --nbval-lax tests course $(PYTEST_ARGS)
+
+# The book's browser test (tests/test_book.py, rlcourse/tools/book/browser.py) drives the system's
+# Chromium. Where there is none and apt-get may run (as root), Debian's package is installed here;
+# elsewhere that test is skipped and says how to install one.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1 && export DEBIAN_FRONTEND=noninteractive && \
+	  { apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; }; }; } || \
+	echo "note: no Chromium here, so the book's browser test is skipped (Debian: apt-get install chromium)"
 
 # Re-execute the committed lesson and solution notebooks (with outputs) and regenerate exercises/.
 notebooks: $(STAMP)

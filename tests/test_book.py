@@ -14,6 +14,7 @@ import pytest
 from bs4 import BeautifulSoup
 
 import rlcourse  # noqa: F401  (before torch, as everywhere)
+from rlcourse.tools.book import browser as book_browser
 from rlcourse.tools.book import build as book
 from rlcourse.tools.book import check as book_check
 from rlcourse.tools.make_exercises import lesson_notebooks
@@ -188,3 +189,55 @@ def test_the_repository_link_comes_from_the_environment_or_origin(monkeypatch, t
     assert book.repo_url(tmp_path) is None  # not a git repository: no link, the download stays
     banner = book._banner(book.Path("course/01_one.ipynb"), "https://example.org/r")["source"]
     assert "(https://example.org/r/blob/main/course/01_one.ipynb)" in banner and "download it" in banner
+
+
+# ----------------------------------------------------------------------------- in a browser
+
+def _browse(html, **kwargs):
+    if book_browser.chromium_path() is None:
+        pytest.skip(book_browser.INSTALL_HINT + " (`make test` installs it where apt-get may run)")
+    return book_browser.browse(html, **kwargs)
+
+
+def test_the_book_reads_well_in_a_browser_at_a_laptop_and_a_phone(course_site):
+    report = _browse(course_site)
+    assert report.problems == []
+    assert report.pages >= len(book.site_pages()) and report.images > 50 and report.links > 500
+    assert report.display_formulas > 100 and report.inline_formulas > 1000
+    assert report.widest_page == {1280: 1280, 390: 390}
+    assert report.smallest_tick_px >= book_browser.MIN_TICK_PX
+
+
+def _wide_figure(html):
+    _edit(html / "course" / "01_one.html", "<img ", '<img style="width: 0.4px" ')
+
+
+BROWSER_DAMAGE = {  # what is put into which page, and what the browser check must say of it
+    "wide": ("course/02_two.html", "<p>Back", '<p><span style="display:inline-block;width:900px">x</span>Back',
+             "course/02_two.html at 390 px: the page is"),
+    "maths": ("course/01_one.html", "\\gamma^k", "\\gamma^k}}", "course/01_one.html at 1280 px: 1 formula(s) MathJax"),
+    "image": ("exercises/01_one.html", "<p>Write", '<p><img src="gone.png">Write', "the image 'gone.png' does not load"),
+    "console": ("CONTRIBUTING.html", "</body>", '<script>console.error("boom")</script></body>', "console error: boom"),
+    "note": ("BENCHMARKS.html", "<p>Fast.", '<div class="cell_output"><p>A widget: below is the picture of its default '
+             'setting.</p></div><p>Fast.', "BENCHMARKS.html at 1280 px: a widget's note promises its picture"),
+    "code": ("CONTRIBUTING.html", "<p>Read", '<pre style="white-space: pre; overflow-x: auto">' + "x = 1; " * 80
+             + "</pre><p>Read", "CONTRIBUTING.html at 1280 px: code or output cut"),
+    "link": ("index.html", "<p>Start", '<p><a href="course/03_three.html">three</a> Start',
+             "index.html: a link to 'course/03_three.html' points at nothing"),
+}
+
+
+def test_each_defect_a_reader_sees_is_reported_by_the_browser(small_site, tmp_path):
+    root, html = small_site
+    assert _browse(html, searches={"One": "course/01_one.html"}).problems == []
+    copy = tmp_path / "html"
+    shutil.copytree(html, copy)
+    for page, old, new, _ in BROWSER_DAMAGE.values():
+        _edit(copy / page, old, new)
+    _wide_figure(copy)
+    problems = "\n".join(_browse(copy, searches={"Two": "course/01_one.html"}).problems)
+    for name, (*_, said) in BROWSER_DAMAGE.items():
+        assert said in problems, name
+    assert "course/01_one.html at 1280 px: the figure" in problems and "draw it narrower" in problems
+    assert "search for 'Two' ranks course/02_two.html first, not course/01_one.html" in problems
+    assert "at 390 px: the figure" not in problems  # legibility is judged at desktop widths

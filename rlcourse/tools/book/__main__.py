@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlcourse.tools.book.build import ROOT, build, site_pages
+from rlcourse.tools.book.build import ROOT, build, repo_url, site_pages
 from rlcourse.tools.book.check import check_site
 
 
@@ -15,6 +15,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "_build", help="build folder (default _build/)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if repo_url() is None:
+        print("warning: RLCOURSE_REPO_URL is not set and the origin remote is not a web address, so no "
+              "page links to the repository: set it, e.g. RLCOURSE_REPO_URL=https://github.com/<owner>/"
+              "rlcourse make book", file=sys.stderr)
     try:
         html_dir = build(args.out)
     except RuntimeError as error:

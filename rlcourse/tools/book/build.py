@@ -63,12 +63,14 @@ SPHINX_CONFIG = {
         "use_download_button": False,  # each notebook page links the committed notebook instead
         "navbar_persistent": [],  # one search box, in the sidebar (not a second one in a top bar)
     },
+    "html_context": {"default_mode": "auto"},  # light or dark as the reader's system is (unset: a console error)
     "mathjax_path": "mathjax/tex-mml-chtml.js",  # copied by stage(): no CDN
     # \text{std\_floor} shows "std_floor", as in JupyterLab, not "std\_floor"
     "mathjax3_config": {"loader": {"load": ["[tex]/textmacros"]},
                         "tex": {"packages": {"[+]": ["textmacros"]}}},
-    "html_js_files": ["fit_equations.js"],
-    "html_css_files": ["wide_column.css"],
+    "html_js_files": ["fit_equations.js", "readable.js"],
+    "html_css_files": ["wide_column.css", "readable.css"],
+    "html_favicon": "favicon.svg",  # without one, every browser's request for /favicon.ico fails
 }
 # Between 1200 and 1500 px the theme's two sidebars leave the lesson a column narrower than at
 # 800 px; there the page's contents fold into the button at the top right, as they do below 1200.
@@ -80,22 +82,96 @@ WIDE_COLUMN_CSS = """@media (min-width: 1200px) and (max-width: 1499.98px) {
     max-height: 100dvh; max-width: 350px; padding: 2rem 1rem; width: 75%; }
 }
 """
-# MathJax 3 cannot break a line: a display equation wider than the page's column (at 1280 px the
-# column is narrower than at 800, between the two sidebars) is scaled down to fit, to 60% at most,
-# rather than cut at the column's edge behind a scroll bar the reader may not see.
+# MathJax 3 cannot break a line. A display equation wider than the page's column (at 1280 px the
+# column is narrower than at 800, between the two sidebars; on a phone it is 350 px) is scaled down
+# to fit, to 60% at most (50% on a phone), then scrolls inside its own box (readable.css) rather than
+# being cut at the column's edge. An inline formula wider than its line is scaled to 70% at most,
+# then scrolls inside its own box too: the page itself never pans sideways.
 FIT_EQUATIONS_JS = """window.addEventListener("load", function () {
+  function room(eq) {  // the width of the block the formula sits in
+    return eq.parentElement.closest("div, p, li, td, th, dd, h1, h2, h3, h4").clientWidth;
+  }
+  function shrink(eq, floor) {
+    eq.dataset.size = eq.dataset.size || parseFloat(eq.style.fontSize) || 100;
+    eq.style.fontSize = eq.dataset.size + "%";
+    var width = eq.scrollWidth;
+    if (width > room(eq)) eq.style.fontSize = eq.dataset.size * Math.max(floor, 0.98 * room(eq) / width) + "%";
+  }
   function fit() {
-    document.querySelectorAll("div.math mjx-container").forEach(function (eq) {
-      eq.dataset.size = eq.dataset.size || parseFloat(eq.style.fontSize) || 100;
-      eq.style.fontSize = eq.dataset.size + "%";
-      var scale = eq.clientWidth / eq.scrollWidth;
-      if (scale < 1) eq.style.fontSize = eq.dataset.size * Math.max(0.6, 0.98 * scale) + "%";
+    var phone = window.innerWidth < 600;
+    document.querySelectorAll("mjx-container[display='true']").forEach(function (eq) {
+      shrink(eq, phone ? 0.5 : 0.6);
+    });
+    document.querySelectorAll("mjx-container:not([display='true'])").forEach(function (eq) {
+      eq.classList.remove("too-wide");
+      shrink(eq, 0.7);
+      if (eq.scrollWidth > room(eq)) eq.classList.add("too-wide");
     });
   }
   if (window.MathJax && MathJax.startup) MathJax.startup.promise.then(fit);
   window.addEventListener("resize", fit);
 });
 """
+# What keeps a page readable at any width, and search's excerpts free of the theme's buttons.
+READABLE_CSS = """/* A long name in inline code wraps rather than pushing a phone's page sideways. */
+code.literal, code.literal span.pre { white-space: pre-wrap; overflow-wrap: anywhere; }
+/* Code and printed output wrap at the column's edge: the end of an assert or of a printed claim
+   is never hidden behind a scroll bar. */
+article pre { white-space: pre-wrap; overflow-wrap: anywhere; }
+/* A table wider than a phone scrolls inside its own box. */
+article table:not(.highlighttable) { display: block; max-width: 100%; overflow-x: auto; }
+/* An equation too wide even when scaled down scrolls inside its own box, not the page. */
+mjx-container[display="true"] { display: block; max-width: 100%; overflow-x: auto; overflow-y: hidden; }
+mjx-container.too-wide { display: inline-block; max-width: 100%; overflow-x: auto; overflow-y: hidden;
+  vertical-align: middle; }
+/* A figure opens at its full size in a new tab (a small one is a column-wide multi-panel figure). */
+div.cell_output a.full-size img { cursor: zoom-in; }
+"""
+READABLE_JS = """document.addEventListener("DOMContentLoaded", function () {
+  // Each figure of a notebook links to its own file: a click shows it at the size it was drawn.
+  document.querySelectorAll("div.cell_output img").forEach(function (img) {
+    if (img.closest("a")) return;
+    var link = document.createElement("a");
+    link.href = img.getAttribute("src");
+    link.target = "_blank";
+    link.className = "full-size";
+    link.title = "open the figure at full size";
+    img.parentNode.insertBefore(link, img);
+    link.appendChild(img);
+  });
+  // Search's excerpts: the page's text without the theme's buttons and navigation.
+  if (typeof Search !== "undefined" && Search.htmlToText) {
+    var toText = Search.htmlToText;
+    Search.htmlToText = function (htmlString, anchor) {
+      var doc = new DOMParser().parseFromString(htmlString, "text/html");
+      doc.querySelectorAll(".bd-header-article, .header-article-items, .bd-sidebar-secondary, nav, "
+        + ".prev-next-area, .bd-footer-article, footer, .theme-switch-button, .admonition.note, "
+        + ".onlyprint, #jb-print-toc").forEach(function (el) { el.remove(); });
+      return toText(doc.documentElement.outerHTML, anchor).replace(/\\s+/g, " ");
+    };
+  }
+});
+"""
+# Sphinx's search gives every page with the word in any heading the same score, then sorts by name:
+# "GRPO" found lesson 08 (a section heading) before lesson 10 (the page's title). Here a page whose
+# own title or file name holds every word of the query comes first, and a lesson before its exercises.
+SEARCH_SCORER_JS = """var Scorer = {
+  score: function (result) {
+    var words = (new URLSearchParams(window.location.search).get("q") || "").toLowerCase().split(/\\s+/)
+      .filter(function (w) { return w; });
+    var title = ((result[1] || "").split(" > ")[0] + " " + result[0]).toLowerCase(), score = result[4];
+    if (words.length && words.every(function (w) { return title.includes(w); })) score += 10;
+    return result[0].startsWith("course/") ? score + 5 : score;
+  },
+  objNameMatch: 11, objPartialMatch: 6,
+  objPrio: {0: 15, 1: 5, 2: -5}, objPrioDefault: 0,
+  title: 15, partialTitle: 7,
+  term: 5, partialTerm: 2,
+};
+"""
+FAVICON_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32"><rect width="32" height="32" '
+               'rx="6" fill="#2a6db0"/><text x="16" y="22" font-size="15" font-family="sans-serif" '
+               'text-anchor="middle" fill="white">RL</text></svg>')
 MATHJAX_PARTS = ("tex-mml-chtml.js", "input", "output", "ui", "a11y", "adaptors", "sre")
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
@@ -150,16 +226,23 @@ def _text(html_value: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", html_value)).replace("\u2007", " ").strip()
 
 
+def is_picture(output: dict) -> bool:
+    """Whether a notebook output is an image."""
+    return bool({"image/png", "image/svg+xml", "image/jpeg"} & set(output.get("data", {})))
+
+
 def static_outputs(nb: dict, outputs: list[dict]) -> list[dict]:
     """A cell's outputs with each widget replaced by what it showed when the notebook ran.
 
     A progress bar (tqdm: an HBox of HTML, FloatProgress, HTML) becomes its last line as text. An
     explorer (sliders and an Output in an ``interactive`` box) becomes a note naming its knobs and
-    saying they turn in JupyterLab; :class:`rlcourse.widgets.Explorer` has already put the picture
-    of its default setting among the next outputs.
+    saying they turn in JupyterLab, then the picture of its default setting:
+    :class:`rlcourse.widgets.Explorer` has put one among the next outputs; a plain ``interactive``
+    keeps it in its Output widget's saved state, from where it is taken. Without a picture anywhere,
+    the note promises none.
     """
     static = []
-    for output in outputs:
+    for i, output in enumerate(outputs):
         if WIDGET_VIEW not in output.get("data", {}):
             static.append(output)
             continue
@@ -167,8 +250,15 @@ def static_outputs(nb: dict, outputs: list[dict]) -> list[dict]:
         names = [m["model_name"] for m in models]
         knobs = [k for k in map(_knob, models) if k]
         if knobs:
+            pictures = [o for m in models if m["model_name"] == "OutputModel"
+                        for o in m["state"].get("outputs", []) if is_picture(o)]
+            follows = any(is_picture(o) for o in outputs[i + 1:])
             text = ("**A widget:** in JupyterLab (`make lab`) you turn its knobs (" + "; ".join(knobs)
-                    + "). A static page cannot run it: below is the picture of its default setting.")
+                    + "). A static page cannot run it" + (": below is the picture of its default setting."
+                                                          if follows or pictures else "."))
+            static.append({"output_type": "display_data", "metadata": {}, "data": {"text/markdown": text}})
+            static += [] if follows else pictures[-1:]
+            continue
         elif "FloatProgressModel" in names or "IntProgressModel" in names:
             parts = [_text(m["state"].get("value", "")) for m in models if m["model_name"] == "HTMLModel"]
             percent = re.search(r"(\d+)%$", parts[0]) if parts else None
@@ -246,11 +336,17 @@ def stage(src_dir: Path, root: Path = ROOT, url: str | None = None) -> None:
     (src_dir / "index.md").write_text((root / "README.md").read_text() + toctree("Lessons", "course/")
                                       + toctree("Exercises", "exercises/") + toctree("About", ""))
     (src_dir / "conf.py").write_text("# Generated by rlcourse.tools.book, where the configuration "
-                                     "lives.\nfrom rlcourse.tools.book.build import SPHINX_CONFIG\n\n"
-                                     "globals().update(SPHINX_CONFIG)\n")
+                                     "lives.\nimport os\n\nfrom rlcourse.tools.book.build import SPHINX_CONFIG\n\n"
+                                     "globals().update(SPHINX_CONFIG)\n"
+                                     "# Sphinx opens the scorer from its working directory: give it a full path.\n"
+                                     "html_search_scorer = os.path.join(os.path.dirname(__file__), '_static', 'scorer.js')\n")
     (src_dir / "_static" / "mathjax").mkdir(parents=True)
     (src_dir / "_static" / "fit_equations.js").write_text(FIT_EQUATIONS_JS)
     (src_dir / "_static" / "wide_column.css").write_text(WIDE_COLUMN_CSS)
+    (src_dir / "_static" / "readable.css").write_text(READABLE_CSS)
+    (src_dir / "_static" / "readable.js").write_text(READABLE_JS)
+    (src_dir / "_static" / "scorer.js").write_text(SEARCH_SCORER_JS)
+    (src_dir / "favicon.svg").write_text(FAVICON_SVG)
     for part in MATHJAX_PARTS:
         copy_part = shutil.copytree if (mathjax_dir() / part).is_dir() else shutil.copy
         copy_part(mathjax_dir() / part, src_dir / "_static" / "mathjax" / part)

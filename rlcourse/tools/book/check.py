@@ -14,7 +14,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from rlcourse.tools.book.build import ROOT, mathjax_dir, site_pages
+from rlcourse.tools.book.build import ROOT, is_picture, mathjax_dir, site_pages, static_outputs
 
 _RAW_DOLLAR = re.compile(r"(?<![\\\w])\$[^$\s][^$\n]*\$")
 _MACRO = re.compile(r"\\([A-Za-z]+)")
@@ -67,8 +67,8 @@ def page_problems(page: Path, html_dir: Path, soups: dict) -> list[str]:
 
 
 def _figures(nb: dict) -> int:
-    return sum(1 for c in nb["cells"] for o in c.get("outputs", [])
-               if {"image/png", "image/svg+xml", "image/jpeg"} & set(o.get("data", {})))
+    """The pictures a notebook's page must show: its figures, and a widget's saved picture."""
+    return sum(1 for c in nb["cells"] for o in static_outputs(nb, c.get("outputs", [])) if is_picture(o))
 
 
 def check_site(html_dir: Path, root: Path = ROOT) -> list[str]:
