@@ -113,6 +113,15 @@ MULTI_TURN = (
     "rlcourse.trainers.multi_turn:MultiTurnTrainer.train",
 )
 
+# Lesson 11c's distillation divergences (exact over the vocabulary) and the course's distillation trainer.
+DISTILLATION = (
+    "rlcourse.losses.distillation:generalized_jsd_per_token", "rlcourse.losses.distillation:reverse_kl_per_token",
+    "rlcourse.losses.distillation:forward_kl_per_token", "rlcourse.losses.distillation:generalized_jsd",
+    "rlcourse.kl:exact_kl",
+    "rlcourse.trainers.distillation:DistillationTrainer.losses", "rlcourse.trainers.distillation:DistillationTrainer.step",
+    "rlcourse.trainers.distillation:DistillationTrainer.train", "rlcourse.trainers.distillation:train_distillation",
+)
+
 # Each grading module's own reference helpers: the reference step, run or measurement its checks compare
 # with, which an answer could call as well. :func:`rlcourse.grading._core.references` adds them to every check
 # of the module, and those of the shared ``_steps.py`` (none yet: its machinery runs the learner's step and
@@ -132,6 +141,8 @@ REFERENCE_HELPERS = {
     "lesson10e": ("_reference_step",),
     "lesson11": ("_reference_dpo_step", "optimum_of_the_data"),
     "lesson11b": ("_online_round", "_reference_online_dpo", "_orpo_terms"),
+    "lesson11c": ("_reference_step", "_reverse_reference", "_jsd_reference"),
+    "lesson12b": ("_reference_rft_step",),
 }
 
 

@@ -7,7 +7,9 @@
   (lessons 09-10);
 * :mod:`~rlcourse.losses.dpo` - DPO and its relatives on preference pairs (lesson 11);
 * :mod:`~rlcourse.losses.multi_turn` - multi-turn episodes: the policy mask, per-turn advantages and
-  GRPO's loss with the environment's tokens masked or not (lesson 10e).
+  GRPO's loss with the environment's tokens masked or not (lesson 10e);
+* :mod:`~rlcourse.losses.distillation` - the per-token reverse KL to a frozen teacher and GKD's
+  generalised JSD, exact over the vocabulary (lesson 11c).
 
 Every name is re-exported here, so ``from rlcourse.losses import ppo_clip_loss`` works whatever
 module holds it.
@@ -30,6 +32,9 @@ __all__ += _beyond_dpo
 from rlcourse.losses.multi_turn import *  # noqa: F401,F403,E402  (lesson 10e: multi-turn episodes with a tool)
 from rlcourse.losses.multi_turn import __all__ as _multi_turn  # noqa: E402
 __all__ += _multi_turn
+from rlcourse.losses.distillation import *  # noqa: F401,F403,E402  (lesson 11c: on-policy distillation, GKD's JSD)
+from rlcourse.losses.distillation import __all__ as _distillation  # noqa: E402
+__all__ += _distillation
 # A name exported by two modules would silently mean the later one here (it happened: LOSS_TYPES).
 _twice = {name for name in __all__ if __all__.count(name) > 1}
 if _twice:
