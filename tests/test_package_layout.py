@@ -43,10 +43,20 @@ def _layer(module: str) -> int | None:
     return None
 
 
+def _one_per_lesson(modules: list[Path]) -> bool:
+    """Every module is ``lessonNN.py`` for a lesson notebook of course/: the grader's checks, found by number."""
+    lessons = {p.name.split("_")[0] for p in (ROOT.parent / "course").glob("*.ipynb")}
+    return all(m.stem.startswith("lesson") and m.stem.removeprefix("lesson") in lessons for m in modules)
+
+
 def test_no_folder_holds_more_than_fifteen_modules_and_each_says_what_it_holds():
+    """A reader finds a module by its role; past fifteen a folder wants splitting. The exception is a
+    folder of one module per lesson (``grading/llm/lessonNN.py``): it grows with the lesson map and a
+    lesson's checks are found by its number."""
     for folder in [ROOT, *(p for p in ROOT.rglob("*") if p.is_dir() and (p / "__init__.py").exists())]:
         modules = [p for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
-        assert len(modules) <= MAX_MODULES, f"{folder.relative_to(ROOT.parent)} holds {len(modules)} modules"
+        assert len(modules) <= MAX_MODULES or _one_per_lesson(modules), \
+            f"{folder.relative_to(ROOT.parent)} holds {len(modules)} modules"
         doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
         assert doc, f"{folder.relative_to(ROOT.parent)}/__init__.py says nothing of what lives there"
 

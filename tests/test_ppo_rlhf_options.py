@@ -112,3 +112,45 @@ def test_best_of_n_names_a_bad_sampling_setting(setup):
         call = {"n": 2, "max_new_tokens": 4, **kwargs}
         with pytest.raises(ValueError, match=name):
             best_of_n(policy, tok, rm, ["ab:"], call.pop("n"), call.pop("max_new_tokens"), **call)
+
+
+def test_ppo_ptx_adds_the_old_tasks_nll_times_its_coefficient_to_each_minibatch_loss(setup):
+    """PPO-ptx: the minibatch loss with ``ptx_coef = c`` is the plain loss plus ``c`` times the mean
+    NLL of the ptx batch, computed here token by token from a fresh forward pass; so is its gradient."""
+    policy, tok, rm = setup
+    task = PreferenceTask()
+    old_task = [{"prompt": p, "completion": c} for p, c in zip(task.prompts(6, rng=5), ["ab", "cde", "f", "gh", "a", "bcd"])]
+    reward = lambda prompts, completions: [1.0] * len(prompts)  # noqa: E731
+    plain_cfg = PPOConfig(batch_size=6, response_length=3)
+    ptx_cfg = PPOConfig(batch_size=6, response_length=3, ptx_coef=0.7)
+    critic = make_value_model("reward", reward_model=rm)
+    plain = PPORLHFTrainer(plain_cfg, copy.deepcopy(policy), tok, reward, critic, task.prompts)
+    ptx = PPORLHFTrainer(ptx_cfg, plain.policy, tok, reward, critic, task.prompts, ptx_fn=lambda n, rng: old_task[:n])
+    batch = plain.rollout(task.prompts(6, rng=0))
+    batch["rewards"], batch["kl"] = plain.token_rewards(batch)
+    batch["advantages"], batch["returns"] = plain.advantages(batch)
+    mb = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    nll_terms = []   # the NLL of each completion token (and <eos>) of the old-task examples, one by one
+    for e in old_task:
+        ids = tok(e["prompt"] + e["completion"])["input_ids"] + [tok.eos_token_id]
+        n_prompt = len(tok(e["prompt"])["input_ids"])
+        logp = torch.log_softmax(plain.policy(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+        nll_terms += [-logp[t - 1, ids[t]] for t in range(n_prompt, len(ids))]
+    nll = torch.stack(nll_terms).mean()
+    loss_plain, _ = plain.loss(mb)
+    loss_ptx, stats = ptx.loss(mb)
+    torch.testing.assert_close(loss_ptx, loss_plain + 0.7 * nll, rtol=1e-5, atol=1e-6)
+    assert stats["loss/ptx"] == pytest.approx(nll.item(), rel=1e-5)
+    params = [p for p in plain.policy.parameters() if p.requires_grad]
+    g_ptx = torch.autograd.grad(loss_ptx, params, allow_unused=True)
+    g_sum = torch.autograd.grad(loss_plain + 0.7 * nll, params, allow_unused=True)
+    for a, b in zip(g_ptx, g_sum):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_ppo_ptx_names_what_it_needs():
+    with pytest.raises(ValueError, match="ptx_coef"):
+        PPOConfig(ptx_coef=-0.1)
+    with pytest.raises(ValueError, match="ptx_fn"):
+        PPORLHFTrainer(PPOConfig(ptx_coef=0.5), None, None, None, None, None)

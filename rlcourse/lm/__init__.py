@@ -6,7 +6,8 @@ the sampler (:mod:`~rlcourse.lm.sampling`), log-probs and masks (:mod:`~rlcourse
 samplers that compute differently from the trainer (:mod:`~rlcourse.lm.off_policy_samplers`,
 lesson 10c), a body with a scalar head for reward models and critics (:mod:`~rlcourse.lm.scalar_head`,
 :mod:`~rlcourse.lm.value_model`), many seeds stacked in one model (:mod:`~rlcourse.lm.seed_stack`), and multi-turn rollouts that alternate
-the sampler with an environment (:mod:`~rlcourse.lm.multi_turn`, lesson 10e).
+the sampler with an environment (:mod:`~rlcourse.lm.multi_turn`, lesson 10e), and LoRA layers in plain torch
+(:mod:`~rlcourse.lm.lora`, lesson 12b).
 Lessons 07 on use it. It imports nothing from tasks, trainers, measurements or interop.
 
     from rlcourse.lm import load_checkpoint, sample, sequence_logprobs

@@ -10,7 +10,9 @@ optima of each preference loss (:mod:`~rlcourse.measure.categorical_bandit`,
 (:mod:`~rlcourse.measure.length_bias`, lesson 10). Measurements of trained models: pass@k and
 coverage (:mod:`~rlcourse.measure.coverage`), best-of-n (:mod:`~rlcourse.measure.best_of_n`), the
 draws, per-seed series and batch drift of lesson 10b (:mod:`~rlcourse.measure.rlvr_runs`) and the capstone's
-comparison of every algorithm (:mod:`~rlcourse.measure.capstone`, lesson 12).
+comparison of every algorithm (:mod:`~rlcourse.measure.capstone`, lesson 12); the forward KL from a base
+model, the Pareto front and lesson 12b's forgetting and LoRA runs (:mod:`~rlcourse.measure.forgetting`,
+:mod:`~rlcourse.measure.forgetting_runs`).
 """
 from rlcourse.measure.best_of_n import best_of_n, best_of_n_kl
 from rlcourse.measure.exact_gradient import EnumerablePolicy

@@ -38,9 +38,10 @@ from rlcourse.lm.sampling import sample
 from rlcourse.lm.value_model import token_values
 from rlcourse.losses import ppo_clip_loss, ppo_diagnostics, value_loss, masked_mean
 from rlcourse.returns import gae, whiten
+from rlcourse.trainers.sft import encode_examples, sft_loss
 
 __all__ = ["PPOConfig", "PPORLHFTrainer", "eos_rule", "kl_shaped_rewards", "advantages_and_returns", "ppo_rlhf_loss",
-           "minibatch_loss", "iteration_metrics", "disable_dropout", "adaptive_kl_coef"]
+           "minibatch_loss", "iteration_metrics", "disable_dropout", "adaptive_kl_coef", "ptx_loss"]
 
 
 @dataclass
@@ -81,6 +82,13 @@ class PPOConfig:
     and the controller was on by default, ``target=6``, ``horizon=10000``): after each iteration
     :func:`adaptive_kl_coef` moves the coefficient towards the value that holds ``objective/kl`` at
     ``target``. Off by default here: ``kl_coef`` stays fixed, as in TRL's later ``PPOConfig``.
+
+    ``ptx_coef`` is InstructGPT's PPO-ptx (Ouyang et al. 2022, arXiv 2203.02155, eq. 2: the objective
+    gains ``gamma E_{x ~ D_pretrain}[log pi(x)]``) under OpenRLHF's name: every minibatch's loss adds
+    ``ptx_coef`` times the mean negative log-likelihood of a batch of old-task text, drawn by the
+    trainer's ``ptx_fn`` (:func:`ptx_loss`). 0 (the default) is plain PPO, as in TRL, which has no such
+    setting. OpenRLHF adds it the same way; its earlier versions weighted the PPO loss by
+    ``1 - ptx_coef`` as well.
     """
 
     learning_rate: float = 1e-3
@@ -106,6 +114,7 @@ class PPOConfig:
     adap_kl_ctrl: bool = False
     target: float = 6.0
     horizon: float = 10000.0
+    ptx_coef: float = 0.0
 
     def __post_init__(self):
         if self.kl_estimator not in ("k1", "k3"):
@@ -135,6 +144,8 @@ class PPOConfig:
             raise ValueError(f"target and horizon must be finite numbers > 0, got {self.target!r}, {self.horizon!r}")
         if self.adap_kl_ctrl and not self.kl_coef > 0:
             raise ValueError("adap_kl_ctrl multiplies kl_coef: it needs an initial kl_coef > 0")
+        if not (self.ptx_coef >= 0 and math.isfinite(self.ptx_coef)):
+            raise ValueError(f"ptx_coef must be a finite number >= 0 (0: no pretraining term), got {self.ptx_coef!r}")
         for name in ("missing_eos_penalty", "non_eos_score", "reward_bias"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
@@ -230,6 +241,18 @@ def ppo_rlhf_loss(logprobs, old_logprobs, advantages, values, old_values, return
     return pg + vf_coef * vf, pg, vf
 
 
+def ptx_loss(model, tokenizer, examples: list[dict]) -> torch.Tensor:
+    """PPO-ptx's pretraining term: ``-mean_t log pi(x_t | x_<t)`` over the completions of ``examples``.
+
+    ``examples`` are ``{"prompt", "completion"}`` rows of the old task (what the model was trained
+    on before RL); the mean runs over every completion token and its ``<eos>``, as SFT's does
+    (:func:`rlcourse.trainers.sft.sft_loss`, the same number).
+    """
+    device = next(model.parameters()).device
+    input_ids, attention, loss_mask = (t.to(device) for t in encode_examples(tokenizer, examples))
+    return sft_loss(model, input_ids, attention, loss_mask)
+
+
 def minibatch_loss(config: PPOConfig, logprobs, values, mb: dict):
     """:func:`ppo_rlhf_loss` of one minibatch from the policy's ``logprobs`` and the critic's ``values``
     (both ``(B, T)``, with grad) and the rollout's stored tensors in ``mb``; returns the loss and its stats."""
@@ -287,8 +310,12 @@ class PPORLHFTrainer:
     """
 
     def __init__(self, config: PPOConfig, policy, tokenizer, reward_model, value_model, prompt_fn,
-                 gold_fn=None):
+                 gold_fn=None, ptx_fn=None):
+        if config.ptx_coef > 0 and ptx_fn is None:
+            raise ValueError("ptx_coef > 0 needs ptx_fn(n, rng) -> n {'prompt', 'completion'} examples of the "
+                             "old task (PPO-ptx's pretraining data)")
         self.config, self.policy, self.tokenizer = config, policy, tokenizer
+        self.ptx_fn, self.ptx_draws = ptx_fn, 0
         # A reward model (scored at the last real token), or any reward function
         # f(prompts, completions) -> tensor, e.g. a task's verifier (the capstone uses one).
         self.reward_model = reward_model.eval() if isinstance(reward_model, torch.nn.Module) else reward_model
@@ -345,7 +372,14 @@ class PPORLHFTrainer:
                                      mb["prompt_mask"], self.config.temperature)
         values = token_values(self.value_model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                               mb["completion_mask"])
-        return minibatch_loss(self.config, logprobs, values, mb)
+        loss, stats = minibatch_loss(self.config, logprobs, values, mb)
+        if self.config.ptx_coef > 0:   # PPO-ptx: a fresh batch of old-task text for every minibatch
+            examples = self.ptx_fn(len(mb["completion_ids"]), self.config.seed * 1_000_003 + self.ptx_draws)
+            self.ptx_draws += 1
+            ptx = ptx_loss(self.policy, self.tokenizer, examples)
+            loss = loss + self.config.ptx_coef * ptx
+            stats["loss/ptx"] = ptx.item()
+        return loss, stats
 
     def step(self) -> dict:
         """One PPO-RLHF iteration (rollout, shaping, GAE, updates); returns and logs its metrics."""

@@ -56,6 +56,8 @@ class SeedBatchedPPORLHFTrainer(PPORLHFTrainer):
 
     def __init__(self, config: PPOConfig, policy, tokenizer, reward_model, value_model, prompt_fn, gold_fn=None,
                  num_seeds: int | None = None, seeds=None):
+        if config.ptx_coef > 0:
+            raise ValueError("ptx_coef > 0 (PPO-ptx) is not seed-batched: run PPORLHFTrainer once per seed with ptx_fn")
         if not config.disable_dropout:
             raise ValueError("disable_dropout=False is not seed-batched (dropout makes the stacked forward inexact): "
                              "run PPORLHFTrainer once per seed")
