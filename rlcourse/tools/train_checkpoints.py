@@ -20,6 +20,10 @@ Training is seeded; the numbers in ``recipe.json`` were measured at the end of t
                          tokens left out of the loss; plus two-number sums. Greedy decoding never calls the
                          tool and adds three numbers poorly; sampling calls it about one time in ten
                          (lesson 10e's starting point: RL teaches when to call).
+* ``judge``, ``judge-seed1``, ``judge-seed2`` - a generative judge: "12+34=47|46>" -> "y" or "n" (answer,
+                         then the reference), trained on well-formed answers only (the right sum, and wrong
+                         sums of the same number of digits); three seeds of one recipe, lesson 10d's judge
+                         and its ensemble. Its exact match is the accuracy of its greedy verdict.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from rlcourse.lm.checkpoints import CHECKPOINT_DIR, save_checkpoint
 from rlcourse.lm.model import count_parameters, make_model
 from rlcourse.trainers.sft import exact_match, train_sft
 from rlcourse.tasks import AdditionTask, DigitSumTask, FillerAdditionTask, PreferenceTask
+from rlcourse.tasks.judge import JudgeTask
 from rlcourse.tasks.tool_env import ToolSumTask
 from rlcourse.lm.tokenizer import build_char_tokenizer
 
@@ -51,11 +56,17 @@ RECIPES = {
                            n_examples=20000, steps=800, lr=3e-3, batch_size=128, seed=0),
     "filler-addition": dict(task="FillerAdditionTask", task_kwargs=dict(n_digits=2, max_filler=12, budget=3),
                             size="tiny", n_examples=20000, steps=1500, lr=3e-3, batch_size=128, seed=0),
+    "judge": dict(task="JudgeTask", task_kwargs=dict(near_miss=0.5), size="tiny",
+                  n_examples=20000, steps=1500, lr=3e-3, batch_size=128, seed=0),
+    "judge-seed1": dict(task="JudgeTask", task_kwargs=dict(near_miss=0.5), size="tiny",
+                        n_examples=20000, steps=1500, lr=3e-3, batch_size=128, seed=1),
+    "judge-seed2": dict(task="JudgeTask", task_kwargs=dict(near_miss=0.5), size="tiny",
+                        n_examples=20000, steps=1500, lr=3e-3, batch_size=128, seed=2),
     "tool-sum-sft": dict(task="ToolSumTask", task_kwargs=dict(n_operands=3, n_digits=2, tool_rate=0.1, pair_fraction=0.3),
                          size="tiny", n_examples=20000, steps=2000, lr=3e-3, batch_size=128, seed=0),
 }
 TASKS = {"AdditionTask": AdditionTask, "DigitSumTask": DigitSumTask, "FillerAdditionTask": FillerAdditionTask,
-         "PreferenceTask": PreferenceTask, "ToolSumTask": ToolSumTask}
+         "PreferenceTask": PreferenceTask, "ToolSumTask": ToolSumTask, "JudgeTask": JudgeTask}
 
 
 def make_task(recipe: dict):
