@@ -1,6 +1,8 @@
 """Matplotlib helpers shared by the lessons."""
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -37,6 +39,18 @@ def use_course_style() -> None:
     sets its own defaults when pyplot is imported, and this must come after them.
     """
     plt.rcParams.update(COURSE_STYLE)
+
+
+PRINT_WIDTH = 100  # JupyterLab at 1280 px with the file browser open wraps longer lines, inside numbers
+
+
+def wrap(text: str, width: int = PRINT_WIDTH) -> str:
+    """A long printed line cut at spaces into lines of at most ``width`` characters, the next ones
+    indented; an interval ``a +- b`` (or ``a ± b``) is never split."""
+    for sign in ("+-", "±"):
+        text = text.replace(f" {sign} ", f"\0{sign}\0")
+    return textwrap.fill(text, width, subsequent_indent="    ", break_on_hyphens=False,
+                         break_long_words=False).replace("\0", " ")
 
 
 def moving_average(values, window: int) -> np.ndarray:
