@@ -120,6 +120,24 @@ def policy_evaluation(mdp: TabularMDP, policy, gamma: float) -> np.ndarray:
     return V
 
 
+def finite_horizon_evaluation(mdp: TabularMDP, policy, gamma: float, horizon: int) -> np.ndarray:
+    """State values when at most ``horizon`` more steps are taken, by backward induction.
+
+    ``V_0 = 0`` and ``V_h = r_pi + gamma P_pi V_{h-1}``; returns ``V_horizon``. The horizon (when the
+    episode is cut) and the discount (how much a later reward weighs) are two separate settings:
+    any ``gamma`` in [0, 1] goes with any horizon, and as ``horizon`` grows ``V_horizon`` tends to
+    :func:`policy_evaluation`'s infinite-horizon values (whenever those are finite).
+    """
+    gamma = _check_gamma(gamma)
+    if isinstance(horizon, bool) or not isinstance(horizon, (int, np.integer)) or horizon < 0:
+        raise ValueError(f"horizon must be an integer >= 0, got {horizon!r}")
+    P_pi, r_pi = policy_dynamics(mdp, policy)
+    V = np.zeros(mdp.n_states)
+    for _ in range(horizon):
+        V = r_pi + gamma * P_pi @ V
+    return V
+
+
 def action_values(mdp: TabularMDP, V: np.ndarray, gamma: float) -> np.ndarray:
     """One-step lookahead: ``Q(s, a) = R(s, a) + gamma * sum_s' P(s'|s, a) V(s')`` (0 at terminals)."""
     Q = mdp.R + _check_gamma(gamma) * mdp.P @ np.asarray(V, float)
