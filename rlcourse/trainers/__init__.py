@@ -10,7 +10,8 @@ with a tool (:mod:`~rlcourse.trainers.multi_turn`, lesson 10e), and distillation
 on-policy or on the teacher's samples (:mod:`~rlcourse.trainers.distillation`, lesson 11c), and rejection-sampling
 fine-tuning (:mod:`~rlcourse.trainers.rft`, lesson 12b). Settings and logged metrics
 carry TRL's names. Each ``*_seeds`` module trains several independent seeds of the trainer beside it
-in one seed-stacked model (lesson 08b on), every seed the run its single-seed twin makes.
+in one seed-stacked model (lesson 08b on), every seed the run its single-seed twin makes; three of them
+run their steps through one loop (:func:`~rlcourse.trainers.steps.run_steps`).
 """
 from rlcourse.trainers.dpo import DPOConfig, train_dpo
 from rlcourse.trainers.distillation import DistillationConfig, DistillationTrainer, train_distillation

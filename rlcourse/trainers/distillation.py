@@ -35,6 +35,7 @@ from rlcourse.lm.sampling import sample
 from rlcourse.lm.seed_stack import SeedAdam, seed_model, seed_runs, stack_models
 from rlcourse.losses.distillation import generalized_jsd_per_token, reverse_kl_per_token
 from rlcourse.losses.policy_gradient import masked_mean
+from rlcourse.trainers.steps import run_steps
 
 __all__ = ["DistillationConfig", "DistillationTrainer", "train_distillation", "exact_match_by_seed",
            "DISTILLATION_LOSS_TYPES"]
@@ -219,18 +220,10 @@ class DistillationTrainer:
 
     def train(self, max_steps: int | None = None, progress: bool = True, callback=None) -> list[list[dict]]:
         """Run ``max_steps`` steps (default ``config.max_steps``); ``callback(step, trainer)`` runs after each."""
-        from tqdm.auto import tqdm
-
         c = self.config
-        steps = c.max_steps if max_steps is None else max_steps
-        bar = tqdm(range(steps), disable=not progress,
-                   desc=f"distill {c.loss_type} beta={c.beta} lmbda={c.lmbda} x{self.num_seeds} seeds")
-        for i in bar:
-            m = self.step()
-            bar.set_postfix(reverse_kl=f"{np.mean([x['reverse_kl'] for x in m]):.3f}")
-            if callback is not None:
-                callback(i, self)
-        return self.history
+        return run_steps(self, c.max_steps if max_steps is None else max_steps, metric="reverse_kl",
+                         desc=f"distill {c.loss_type} beta={c.beta} lmbda={c.lmbda} x{self.num_seeds} seeds",
+                         progress=progress, callback=callback)
 
 
 def train_distillation(student, teacher, tokenizer, task, config: DistillationConfig | None = None, *,

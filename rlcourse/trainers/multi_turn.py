@@ -33,6 +33,7 @@ from rlcourse.lm.multi_turn import END_REASONS, rollout
 from rlcourse.lm.seed_stack import SeedAdam, seed_model, stack_models
 from rlcourse.losses.grpo import group_advantages
 from rlcourse.losses.multi_turn import multi_turn_loss, process_advantages, token_advantages
+from rlcourse.trainers.steps import run_steps
 
 __all__ = ["MultiTurnConfig", "ROLLOUT_FIELDS", "MultiTurnTrainer", "episode_metrics", "evaluate_tool_use"]
 
@@ -250,13 +251,5 @@ class MultiTurnTrainer:
 
         ``callback(step, trainer)`` runs after each step.
         """
-        from tqdm.auto import tqdm
-
-        steps = self.configs[0].max_steps if max_steps is None else max_steps
-        bar = tqdm(range(steps), disable=not progress, desc=f"multi-turn GRPO x{self.num_runs} runs")
-        for i in bar:
-            m = self.step()
-            bar.set_postfix(reward=f"{np.mean([x['reward'] for x in m]):.3f}")
-            if callback is not None:
-                callback(i, self)
-        return self.history
+        return run_steps(self, self.configs[0].max_steps if max_steps is None else max_steps, metric="reward",
+                         desc=f"multi-turn GRPO x{self.num_runs} runs", progress=progress, callback=callback)

@@ -34,6 +34,7 @@ from rlcourse.trainers.policy_gradient import (PolicyGradientConfig, _Batch, adv
                                          reward_table)
 from rlcourse.lm.sampling import sample
 from rlcourse.lm.seed_stack import SeedAdam, seed_copies, seed_model, seed_runs, stack_models
+from rlcourse.trainers.steps import run_steps
 
 __all__ = ["SeedBatchedPolicyGradientTrainer"]
 
@@ -199,14 +200,7 @@ class SeedBatchedPolicyGradientTrainer:
 
         ``callback(step, trainer)`` runs after each step.
         """
-        from tqdm.auto import tqdm
-
         c = self.config
-        steps = c.max_steps if max_steps is None else max_steps
-        bar = tqdm(range(steps), disable=not progress, desc=f"{c.advantage_estimator}/{c.loss_type} x{self.num_seeds} seeds")
-        for i in bar:
-            m = self.step()
-            bar.set_postfix(reward=f"{np.mean([x['reward'] for x in m]):.3f}")
-            if callback is not None:
-                callback(i, self)
-        return self.history
+        return run_steps(self, c.max_steps if max_steps is None else max_steps, metric="reward",
+                         desc=f"{c.advantage_estimator}/{c.loss_type} x{self.num_seeds} seeds",
+                         progress=progress, callback=callback)
